@@ -1,0 +1,242 @@
+"""``comm-doctor``: a per-rank health table of a distributed setup.
+
+Run it under any launcher (``torchrun``, ``srun``, ``mpirun``) or let it spawn local ranks
+with ``--nproc N``. Each rank reports what it detected (launcher, backend, ranks, host,
+device) and runs live checks; rank 0 prints one table with a row per rank.
+
+Upper layers add checks without comm-core importing them: a package declares an entry
+point in the group ``comm.doctor`` whose object is a callable taking no arguments and
+returning an iterable of :class:`CheckResult`. It runs on every rank, inside the process
+group, after the built-in checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from .device import get_comm_device, get_device
+from .errors import format_table
+from .launcher import infer_launcher
+from .process_group import destroy_dist, init_dist
+from .queries import (
+    get_backend,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_world_size,
+    is_distributed,
+)
+
+__all__ = ["ENTRY_POINT_GROUP", "CheckResult", "DoctorCheck", "RankReport", "main", "run_checks"]
+
+ENTRY_POINT_GROUP = "comm.doctor"
+"""Entry-point group through which packages add doctor checks."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one doctor check on one rank.
+
+    Attributes:
+        name: Column name in the table, e.g. ``"all_reduce"``.
+        ok: Whether the check passed.
+        detail: Short text for the table cell (a time, a value, or the error).
+    """
+
+    name: str
+    ok: bool
+    detail: str
+
+
+DoctorCheck = Callable[[], Iterable[CheckResult]]
+"""A check: runs on every rank inside the process group and returns its results."""
+
+
+@dataclass
+class RankReport:
+    """What one rank detected and how its checks went."""
+
+    launcher: str
+    backend: str
+    rank: int
+    world: int
+    local_rank: int
+    local_size: int
+    host: str
+    device: str
+    checks: list[CheckResult] = field(default_factory=list)
+
+    def row(self) -> dict[str, object]:
+        """Return the report as one table row."""
+        row: dict[str, object] = {
+            "rank": self.rank,
+            "world": self.world,
+            "local": f"{self.local_rank}/{self.local_size}",
+            "launcher": self.launcher,
+            "backend": self.backend,
+            "host": self.host,
+            "device": self.device,
+        }
+        for check in self.checks:
+            row[check.name] = ("ok " if check.ok else "FAIL ") + check.detail
+        return row
+
+
+def _time_ms(fn: Callable[[], None], repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return 1000.0 * times[len(times) // 2]
+
+
+def _check_barrier() -> CheckResult:
+    if not is_distributed():
+        return CheckResult("barrier", True, "n/a (no process group)")
+    ms = _time_ms(lambda: torch_dist.barrier())
+    return CheckResult("barrier", True, f"{ms:.2f} ms")
+
+
+def _check_all_reduce() -> CheckResult:
+    world, rank = get_world_size(), get_rank()
+    device = get_comm_device()
+    expected = world * (world + 1) / 2
+    tensor = torch.zeros(1, dtype=torch.float64, device=device)
+
+    def once() -> None:
+        tensor.fill_(rank + 1)
+        if is_distributed():
+            torch_dist.all_reduce(tensor)
+
+    ms = _time_ms(once)
+    got = float(tensor.item())
+    if got != expected:
+        return CheckResult("all_reduce", False, f"sum of rank+1 is {got}, expected {expected}")
+    return CheckResult("all_reduce", True, f"{ms:.2f} ms")
+
+
+def _load_checks(extra: Sequence[str]) -> list[tuple[str, DoctorCheck]]:
+    checks: list[tuple[str, DoctorCheck]] = []
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        checks.append((entry.name, entry.load()))
+    for spec in extra:
+        module_name, _, attr = spec.partition(":")
+        if not attr:
+            message = f"--check expects 'module:function', got {spec!r}."
+            raise ValueError(message)
+        checks.append((spec, getattr(importlib.import_module(module_name), attr)))
+    return checks
+
+
+def run_checks(extra: Sequence[str] = (), launcher: str | None = None) -> RankReport:
+    """Build this rank's report: detected setup, built-in checks, then plugin checks.
+
+    Args:
+        extra: Additional checks as ``"module:function"`` strings.
+        launcher: The launcher to report; inferred from the environment when None.
+
+    Returns:
+        This rank's :class:`RankReport`.
+    """
+    report = RankReport(
+        launcher=launcher or infer_launcher(),
+        backend=get_backend() or "none",
+        rank=get_rank(),
+        world=get_world_size(),
+        local_rank=get_local_rank(),
+        local_size=get_local_size(),
+        host=socket.gethostname(),
+        device=f"{get_device()} / comm {get_comm_device()}",
+    )
+    report.checks.append(_check_barrier())
+    report.checks.append(_check_all_reduce())
+    for name, check in _load_checks(extra):
+        try:
+            report.checks.extend(check())
+        except Exception as exc:
+            report.checks.append(CheckResult(name, False, f"{type(exc).__name__}: {exc}"))
+    return report
+
+
+def _gather_reports(report: RankReport) -> list[RankReport]:
+    if not is_distributed():
+        return [report]
+    reports: list[Any] = [None] * get_world_size()
+    torch_dist.all_gather_object(reports, report)
+    return reports
+
+
+def _rank_main(extra: Sequence[str], launcher: str) -> list[RankReport]:
+    """Run the checks on one rank of a spawned world and gather every report."""
+    return _gather_reports(run_checks(extra, launcher))
+
+
+def _print(reports: Sequence[RankReport], json_path: str | None) -> int:
+    print(format_table([r.row() for r in reports]))
+    failed = [(r.rank, c) for r in reports for c in r.checks if not c.ok]
+    for rank, check in failed:
+        print(f"rank {rank}: check {check.name} failed: {check.detail}", file=sys.stderr)
+    print(f"{len(reports)} rank(s), {len(failed)} failed check(s)")
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump([asdict(r) for r in reports], handle, indent=2)
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``comm-doctor``; returns the exit status (1 when a check failed)."""
+    parser = argparse.ArgumentParser(
+        prog="comm-doctor",
+        description="Print a per-rank table of the distributed setup and live checks.",
+    )
+    parser.add_argument("--nproc", type=int, default=0, help="spawn N local ranks (no launcher)")
+    parser.add_argument("--backend", default=None, help="process-group backend (default: auto)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout, s")
+    parser.add_argument(
+        "--check", action="append", default=[], help="extra check 'module:function' (repeatable)"
+    )
+    parser.add_argument("--json", dest="json_path", default=None, help="also write JSON here")
+    args = parser.parse_args(argv)
+
+    launcher = infer_launcher()
+    if launcher != "none":
+        if args.nproc:
+            parser.error(f"--nproc spawns ranks itself, but launcher {launcher!r} already did")
+        init_dist(launcher, args.backend, timeout=args.timeout)
+        try:
+            reports = _gather_reports(run_checks(args.check, launcher))
+            status = _print(reports, args.json_path) if get_rank() == 0 else 0
+        finally:
+            destroy_dist()
+        return status
+    if args.nproc > 0:
+        from .testing.pool import launch
+
+        results = launch(
+            _rank_main,
+            args.check,
+            "local (comm-doctor --nproc)",
+            nprocs=args.nproc,
+            backend=args.backend or "gloo",
+            timeout=args.timeout,
+        )
+        return _print(results[0], args.json_path)
+    return _print([run_checks(args.check, "none")], args.json_path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

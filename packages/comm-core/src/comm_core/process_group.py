@@ -1,0 +1,235 @@
+"""Start and stop the default process group and the per-node (local) groups."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as torch_dist
+
+from .errors import AlreadyInitializedError, LauncherError, NotInitializedError
+from .launcher import LAUNCHERS, infer_launcher, read_launch_env
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "default_backend",
+    "destroy_dist",
+    "init_dist",
+    "init_local_group",
+]
+
+DEFAULT_TIMEOUT_S = 1800.0
+"""Default collective timeout in seconds: 30 minutes, as torch's."""
+
+_TORCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class _LocalGroup:
+    """The calling rank's node group, remembered with the default group it belongs to."""
+
+    group: ClassVar[torch_dist.ProcessGroup | None] = None
+    owner: ClassVar[object | None] = None
+    created: ClassVar[list[torch_dist.ProcessGroup]] = []
+
+
+def default_backend() -> str:
+    """Return the backend ``init_dist`` picks when none is given: nccl with CUDA, else gloo."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+
+
+def init_dist(
+    launcher: str,
+    backend: str | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    port: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Initialise the default process group from a launcher's environment.
+
+    Sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` the same way for every launcher, selects the CUDA device of the local
+    rank when the backend uses CUDA, and creates the per-node groups so that
+    :func:`get_local_rank` and :func:`get_local_size` are right as soon as it returns. On any
+    failure the process group is destroyed and the environment restored.
+
+    Args:
+        launcher: ``"pytorch"`` (torchrun), ``"slurm"`` (srun) or ``"mpi"`` (mpirun).
+        backend: ``"nccl"``, ``"gloo"``, ...; None picks nccl when CUDA is usable, else gloo.
+        timeout: Timeout of collectives in seconds.
+        port: Rendezvous port; wins over ``MASTER_PORT`` (and over the Slurm job's port).
+        **kwargs: Passed on to ``torch.distributed.init_process_group`` (e.g. ``init_method``
+            or ``store``, in which case MASTER_ADDR / MASTER_PORT are not needed).
+
+    Raises:
+        LauncherError: Unknown launcher, or its environment is missing or malformed.
+        AlreadyInitializedError: A default process group already exists.
+
+    Example:
+        >>> import comm_core as dist
+        >>> dist.init_dist("pytorch")  # doctest: +SKIP
+    """
+    if launcher not in LAUNCHERS:
+        message = (
+            f"init_dist: unknown launcher {launcher!r}; expected one of {', '.join(LAUNCHERS)}. "
+            f"This process's environment looks like launcher {infer_launcher()!r}."
+        )
+        raise LauncherError(message)
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        message = (
+            f"init_dist({launcher!r}) was called, but a default process group already exists "
+            f"(rank {torch_dist.get_rank()} of {torch_dist.get_world_size()}, backend "
+            f"{torch_dist.get_backend()}). Call init_dist once per process, or destroy_dist() first."
+        )
+        raise AlreadyInitializedError(message)
+    if timeout <= 0:
+        message = f"init_dist: timeout must be a positive number of seconds, got {timeout!r}."
+        raise ValueError(message)
+    need_master = "init_method" not in kwargs and "store" not in kwargs
+    launch = read_launch_env(launcher, port=port, need_master=need_master)
+    backend = backend or default_backend()
+    saved = {name: os.environ.get(name) for name in _TORCH_ENV}
+    try:
+        os.environ.update(launch.as_environ())
+        if _uses_cuda(backend):
+            torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
+        if "init_method" not in kwargs and "store" not in kwargs:
+            kwargs["init_method"] = "env://"
+        torch_dist.init_process_group(
+            backend=backend,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(seconds=timeout),
+            **kwargs,
+        )
+        _init_local_group_by_node(launch.node_key)
+        os.environ["LOCAL_WORLD_SIZE"] = str(torch_dist.get_world_size(_LocalGroup.group))
+        if launch.local_world_size not in (None, torch_dist.get_world_size(_LocalGroup.group)):
+            message = (
+                f"The launcher says {launch.local_world_size} processes run on this node, but "
+                f"{torch_dist.get_world_size(_LocalGroup.group)} ranks reported node "
+                f"{launch.node_key!r}. Check the launcher's node layout."
+            )
+            raise LauncherError(message)
+    except BaseException:
+        destroy_dist()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        raise
+
+
+def _uses_cuda(backend: str) -> bool:
+    return "nccl" in backend.lower() and torch.cuda.is_available()
+
+
+def destroy_dist() -> None:
+    """Destroy the local groups and the default process group, if any; a no-op otherwise."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    _LocalGroup.group = None
+    _LocalGroup.owner = None
+    _LocalGroup.created = []
+
+
+def _default_group_or_raise(caller: str) -> object:
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        message = (
+            f"{caller} needs an initialised default process group and there is none. "
+            "Call comm_core.init_dist(launcher) first."
+        )
+        raise NotInitializedError(message)
+    return torch_dist.distributed_c10d._get_default_group()
+
+
+def _init_local_group_by_node(node_key: str) -> None:
+    """Group ranks by node key (host plus launcher node index) and create every group."""
+    _default_group_or_raise("init_local_group")
+    world = torch_dist.get_world_size()
+    keys: list[object] = [None] * world
+    torch_dist.all_gather_object(keys, (node_key, socket.gethostname()))
+    order: dict[object, list[int]] = {}
+    for rank, key in enumerate(keys):
+        order.setdefault(key, []).append(rank)
+    _create_local_groups(list(order.values()))
+
+
+def init_local_group(node_rank: int | None = None, num_gpus_per_node: int | None = None) -> None:
+    """Create the per-node process groups; every rank must call it.
+
+    Every rank creates every node group in the same order, as torch requires, so this is
+    correct on any number of nodes. Without arguments the nodes are found by exchanging
+    host names (and the launcher's node index); with MMEngine's arguments the ranks of node
+    ``i`` are ``i * num_gpus_per_node ... (i + 1) * num_gpus_per_node - 1``.
+
+    ``init_dist`` already calls this; call it yourself only after initialising the process
+    group with ``torch.distributed`` directly.
+
+    Args:
+        node_rank: Index of this node (MMEngine compatibility); needs ``num_gpus_per_node``.
+        num_gpus_per_node: Ranks per node when all nodes run the same number.
+
+    Raises:
+        NotInitializedError: No default process group.
+        ValueError: The arguments do not describe the world.
+    """
+    _default_group_or_raise("init_local_group")
+    if num_gpus_per_node is None:
+        if node_rank is not None:
+            message = "init_local_group: node_rank needs num_gpus_per_node as well."
+            raise ValueError(message)
+        node = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", ""))
+        _init_local_group_by_node(f"{socket.gethostname()}#{node}")
+        return
+    world = torch_dist.get_world_size()
+    if num_gpus_per_node < 1 or world % num_gpus_per_node:
+        message = (
+            f"init_local_group: num_gpus_per_node={num_gpus_per_node} does not divide the world "
+            f"size {world} (rank {torch_dist.get_rank()}). Call init_local_group() without "
+            "arguments to find the nodes automatically, also when they run different counts."
+        )
+        raise ValueError(message)
+    blocks = [
+        list(range(start, start + num_gpus_per_node)) for start in range(0, world, num_gpus_per_node)
+    ]
+    if node_rank is not None and torch_dist.get_rank() not in blocks[node_rank]:
+        message = (
+            f"init_local_group: rank {torch_dist.get_rank()} is not on node {node_rank} when "
+            f"each node runs {num_gpus_per_node} ranks (node {node_rank} holds {blocks[node_rank]})."
+        )
+        raise ValueError(message)
+    _create_local_groups(blocks)
+
+
+def _create_local_groups(nodes: Sequence[list[int]]) -> None:
+    owner = torch_dist.distributed_c10d._get_default_group()
+    rank = torch_dist.get_rank()
+    world = torch_dist.get_world_size()
+    mine: torch_dist.ProcessGroup | None = None
+    created: list[torch_dist.ProcessGroup] = []
+    if len(nodes) == 1 and len(nodes[0]) == world:
+        mine = torch_dist.group.WORLD
+    else:
+        for ranks in sorted(nodes, key=min):
+            group = torch_dist.new_group(ranks=ranks)
+            created.append(group)
+            if rank in ranks:
+                mine = group
+    _LocalGroup.group = mine
+    _LocalGroup.owner = owner
+    _LocalGroup.created = created
+
+
+def current_local_group() -> torch_dist.ProcessGroup | None:
+    """Return this rank's node group if it belongs to the current default group."""
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return None
+    if _LocalGroup.owner is not torch_dist.distributed_c10d._get_default_group():
+        return None
+    return _LocalGroup.group

@@ -1,0 +1,9 @@
+"""Process entry point of one :class:`~comm_core.testing.WorldPool` rank."""
+
+import sys
+from multiprocessing.connection import Connection
+
+from .pool import _worker_main
+
+if __name__ == "__main__":
+    _worker_main(Connection(int(sys.argv[1])))

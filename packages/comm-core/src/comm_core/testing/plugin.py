@@ -1,0 +1,41 @@
+"""pytest plugin of comm-core, registered through the ``pytest11`` entry point.
+
+Fixtures:
+    comm_pools: session-wide cache of :class:`~comm_core.testing.WorldPool` objects, one per
+        world size, so the ranks are spawned once per session and reused by every test.
+    run_distributed: ``run_distributed(fn, *args, world_size=2, timeout=60, **kwargs)`` runs
+        a module-level function on that many real gloo ranks and returns the results by rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from .pool import PoolCache
+
+
+@pytest.fixture(scope="session")
+def comm_pools() -> Iterator[PoolCache]:
+    """Session-wide pools of real gloo ranks, one per world size."""
+    cache = PoolCache()
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+def run_distributed(comm_pools: PoolCache) -> Callable[..., list[Any]]:
+    """Return a function that runs a module-level function on N real gloo ranks."""
+
+    def run(
+        function: Callable[..., Any],
+        *args: Any,
+        world_size: int = 2,
+        timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> list[Any]:
+        return comm_pools.get(world_size).run(function, *args, timeout=timeout, **kwargs)
+
+    return run
