@@ -34,24 +34,24 @@ DEFAULT_PORT = 29500
 _SLURM_PORT_BASE = 15000
 _SLURM_PORT_SPAN = 15000
 
-# (rank, size, local rank, local size, node rank) variables of the MPI implementations.
-_MPI_VARIABLES: tuple[tuple[str, str, str, str, str], ...] = (
+# (rank, size, local rank, local size) variables of the MPI implementations. None gives a
+# node index (Open MPI's OMPI_COMM_WORLD_NODE_RANK is a per-process rank), so MPI ranks are
+# grouped into nodes by host name.
+_MPI_VARIABLES: tuple[tuple[str, str, str, str], ...] = (
     (
         "OMPI_COMM_WORLD_RANK",
         "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "OMPI_COMM_WORLD_NODE_RANK",
     ),
     (
         "MV2_COMM_WORLD_RANK",
         "MV2_COMM_WORLD_SIZE",
         "MV2_COMM_WORLD_LOCAL_RANK",
         "MV2_COMM_WORLD_LOCAL_SIZE",
-        "MV2_NODE_RANK",
     ),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMI_NODE_RANK"),
-    ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE", "PMIX_NODE_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
 )
 
 
@@ -401,7 +401,7 @@ def _read_mpi(env: Mapping[str, str], port: int | None, need_master: bool) -> La
             "or PMIX_RANK. Start the script with mpirun / mpiexec."
         )
         raise LauncherError(message)
-    rank_var, size_var, local_var, local_size_var, node_var = names
+    rank_var, size_var, local_var, local_size_var = names
     hint = f"mpirun normally sets it; check that the job was started by mpirun ({rank_var} is set)."
     rank = _require(env, rank_var, "mpi", hint)
     world = _require(env, size_var, "mpi", hint)
@@ -420,7 +420,7 @@ def _read_mpi(env: Mapping[str, str], port: int | None, need_master: bool) -> La
             "forward it, e.g. `mpirun -x MASTER_ADDR=node01 -x MASTER_PORT=29500 ...`.",
         )
     return LaunchEnv(
-        "mpi", rank, world, local_rank, local_size, addr, master_port, _node_key(env.get(node_var, ""))
+        "mpi", rank, world, local_rank, local_size, addr, master_port, _node_key("")
     )
 
 

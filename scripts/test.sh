@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up everything and run the whole check suite: lint, types, layer contract, builds,
+# docs, the tests of every layer (each in an environment without the layers above), the
+# real-launcher tests (torchrun, mpirun, srun) and a smoke run of the benchmarks.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$ROOT"
+ensure_hatch
+ensure_apt "openmpi-bin" mpirun
+ensure_apt "slurm-wlm munge" srun slurmctld slurmd munged
+
+start=$(date +%s)
+log "lint";            hatch run full:lint
+log "types";           hatch run full:types
+log "layer contract";  hatch run full:layers
+log "public API";      hatch run full:api
+log "builds";          bash scripts/check_builds.sh
+log "docs";            hatch run full:docs
+log "tests: comm-core (environment without the upper layers)"
+hatch run core:test
+log "tests: comm-collectives (environment without the upper layers)"
+hatch run collectives:test
+log "tests: real launchers"
+hatch run core:launchers
+log "benchmark smoke run"
+hatch run full:bench --smoke --out "$ROOT/.tools/bench-smoke"
+log "all checks passed in $(( $(date +%s) - start )) s"

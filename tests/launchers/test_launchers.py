@@ -1,0 +1,98 @@
+"""init_dist under the real launchers, each started by the project's own scripts.
+
+Every test runs ``tests/launchers/probe.py`` under a launcher and checks what each rank
+recorded against values derived by hand from the launch layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comm_core import slurm_job_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = ROOT / "tests" / "launchers" / "probe.py"
+LAUNCH = ROOT / "scripts" / "launch"
+
+
+def _run(script: str, *args: str, out: Path) -> list[dict[str, object]]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHON_RANK"] = sys.executable
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / script), *args, str(PROBE), *_probe_args(script), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    return sorted(records, key=lambda r: int(r["rank"]))
+
+
+def _probe_args(script: str) -> list[str]:
+    return {"torchrun.sh": ["pytorch"], "mpirun.sh": ["mpi"], "srun.sh": ["slurm"]}[script]
+
+
+def test_torchrun_one_node_sets_ranks_and_local_group(tmp_path: Path) -> None:
+    records = _run("torchrun.sh", "one", out=tmp_path)
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        assert r["inferred"] == "pytorch"
+        assert r["world"] == 2
+        assert r["local_rank"] == r["rank"]
+        assert r["local_size"] == 2
+        assert r["local_members"] == [0, 1]
+        assert r["sum"] == 3.0  # 1 + 2
+        assert r["env"]["LOCAL_WORLD_SIZE"] == "2"
+
+
+def test_torchrun_two_node_agents_form_two_local_groups(tmp_path: Path) -> None:
+    records = _run("torchrun.sh", "two", out=tmp_path)
+    assert [r["rank"] for r in records] == [0, 1, 2, 3]
+    for r in records:
+        rank = int(r["rank"])
+        node = rank // 2
+        assert r["world"] == 4
+        assert r["local_rank"] == rank % 2
+        assert r["local_size"] == 2
+        assert r["local_members"] == [2 * node, 2 * node + 1]
+        assert r["sum"] == 10.0  # 1 + 2 + 3 + 4
+        assert r["env"]["LOCAL_RANK"] == str(rank % 2)
+
+
+def test_mpirun_sets_local_rank_and_world(tmp_path: Path) -> None:
+    records = _run("mpirun.sh", out=tmp_path)
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        assert r["inferred"] == "mpi"
+        assert r["world"] == 2
+        assert r["local_rank"] == r["rank"]
+        assert r["local_size"] == 2
+        env = r["env"]
+        assert env["LOCAL_RANK"] == str(r["rank"])
+        assert env["RANK"] == str(r["rank"])
+        assert env["WORLD_SIZE"] == "2"
+        assert r["sum"] == 3.0
+
+
+def test_srun_takes_master_from_nodelist_and_port_from_job_id(tmp_path: Path) -> None:
+    records = _run("srun.sh", out=tmp_path)
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        env = r["env"]
+        assert r["inferred"] == "slurm"
+        assert r["world"] == 2
+        assert r["local_rank"] == r["rank"]
+        assert r["local_size"] == 2
+        assert env["MASTER_ADDR"] == env["SLURM_NODELIST"]  # one node
+        job = int(env["SLURM_JOB_ID"])
+        assert env["MASTER_PORT"] == str(15000 + job % 15000)
+        assert env["MASTER_PORT"] == str(slurm_job_port(job))
+        assert r["sum"] == 3.0
