@@ -129,17 +129,19 @@ def _check_all_reduce() -> CheckResult:
     return CheckResult("all_reduce", True, f"{ms:.2f} ms")
 
 
-def _load_checks(extra: Sequence[str]) -> list[tuple[str, DoctorCheck]]:
-    checks: list[tuple[str, DoctorCheck]] = []
-    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        checks.append((entry.name, entry.load()))
-    for spec in extra:
-        module_name, _, attr = spec.partition(":")
-        if not attr:
-            message = f"--check expects 'module:function', got {spec!r}."
-            raise ValueError(message)
-        checks.append((spec, getattr(importlib.import_module(module_name), attr)))
-    return checks
+def _load(spec: str) -> DoctorCheck:
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        message = f"a check is named 'module:function', got {spec!r}."
+        raise ValueError(message)
+    check: DoctorCheck = getattr(importlib.import_module(module_name), attr)
+    return check
+
+
+def _check_specs(extra: Sequence[str]) -> list[tuple[str, str]]:
+    """(name, 'module:function') of the plugin checks: entry points, then ``extra``."""
+    specs = [(e.name, e.value) for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    return specs + [(spec, spec) for spec in extra]
 
 
 def run_checks(extra: Sequence[str] = (), launcher: str | None = None) -> RankReport:
@@ -164,9 +166,9 @@ def run_checks(extra: Sequence[str] = (), launcher: str | None = None) -> RankRe
     )
     report.checks.append(_check_barrier())
     report.checks.append(_check_all_reduce())
-    for name, check in _load_checks(extra):
+    for name, spec in _check_specs(extra):
         try:
-            report.checks.extend(check())
+            report.checks.extend(_load(spec)())
         except Exception as exc:
             report.checks.append(CheckResult(name, False, f"{type(exc).__name__}: {exc}"))
     return report

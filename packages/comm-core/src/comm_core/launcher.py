@@ -145,8 +145,7 @@ def parse_slurm_nodelist(nodelist: str) -> list[str]:
     """
     text = nodelist.strip()
     if not text:
-        message = "Slurm node list is empty; expected e.g. 'node[01-04]'."
-        raise LauncherError(message)
+        raise _bad_nodelist(nodelist, "it is empty")
     hosts: list[str] = []
     for item in _split_top_level(text, nodelist):
         hosts.extend(_expand_host(item, nodelist))

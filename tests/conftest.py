@@ -1,0 +1,33 @@
+"""Guards shared by every layer's tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as torch_dist
+
+_WATCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_dist_state() -> Iterator[None]:
+    """Fail a test that leaves launcher variables or a process group behind in pytest."""
+    before = {name: os.environ.get(name) for name in _WATCHED}
+    yield
+    leaked = {
+        name: os.environ.get(name)
+        for name in _WATCHED
+        if os.environ.get(name) != before[name]
+    }
+    open_group = torch_dist.is_available() and torch_dist.is_initialized()
+    if open_group:
+        torch_dist.destroy_process_group()
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    assert not leaked, f"the test changed launcher variables: {leaked}"
+    assert not open_group, "the test left a process group open in the pytest process"

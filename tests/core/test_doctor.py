@@ -1,0 +1,63 @@
+"""comm-doctor: the per-rank table, its JSON, and checks added from outside comm-core."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from comm_core import doctor
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _doctor(*args: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], list[dict]]:  # type: ignore[type-arg]
+    out = tmp_path / "doctor.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "comm_core.doctor", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+def test_doctor_spawns_ranks_and_prints_a_row_per_rank(tmp_path: Path) -> None:
+    proc, reports = _doctor(
+        "--nproc", "3", "--check", "tests.core.kit_helpers:custom_check", tmp_path=tmp_path
+    )
+    assert [r["rank"] for r in reports] == [0, 1, 2]
+    for rank, report in enumerate(reports):
+        assert report["world"] == 3
+        assert (report["local_rank"], report["local_size"]) == (rank, 3)
+        assert report["backend"] == "gloo"
+        assert report["launcher"] == "local (comm-doctor --nproc)"
+        checks = {c["name"]: c for c in report["checks"]}
+        assert checks["barrier"]["ok"]
+        assert checks["all_reduce"]["ok"]
+        assert checks["custom"]["detail"] == f"rank {rank} says hello"
+    assert "3 rank(s), 0 failed check(s)" in proc.stdout
+    header = proc.stdout.splitlines()[0].split()
+    assert header[:7] == ["rank", "world", "local", "launcher", "backend", "host", "device"]
+    assert {"barrier", "all_reduce", "custom"} <= set(header)
+
+
+def test_doctor_in_a_plain_process(tmp_path: Path) -> None:
+    _, reports = _doctor(tmp_path=tmp_path)
+    assert len(reports) == 1
+    assert (reports[0]["rank"], reports[0]["world"], reports[0]["backend"]) == (0, 1, "none")
+    assert all(c["ok"] for c in reports[0]["checks"])
+
+
+def test_a_failing_plugin_check_is_reported_not_raised() -> None:
+    report = doctor.run_checks(["tests.core.kit_helpers:rank_times_ten"])
+    # rank_times_ten returns an int, not an iterable of CheckResult: reported as a failure
+    failed = [c for c in report.checks if not c.ok]
+    assert [c.name for c in failed] == ["tests.core.kit_helpers:rank_times_ten"]
+    assert "TypeError" in failed[0].detail

@@ -1,0 +1,111 @@
+"""Every query and helper in a plain process: a world of one, no process group."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import comm_core as dist
+from comm_core import DeviceMismatchError, cast_data_device, get_data_device
+
+
+def test_queries_describe_a_world_of_one() -> None:
+    assert not dist.is_distributed()
+    assert dist.get_world_size() == 1
+    assert dist.get_rank() == 0
+    assert dist.get_dist_info() == (0, 1)
+    assert dist.get_backend() is None
+    assert dist.get_local_rank() == 0
+    assert dist.get_local_size() == 1
+    assert dist.get_local_group() is None
+    assert dist.get_default_group() is None
+    assert dist.is_main_process()
+    dist.barrier()  # a no-op, must not raise
+    assert dist.get_comm_device() == torch.device("cpu")
+
+
+def test_master_only_keeps_name_docstring_and_runs_on_main() -> None:
+    calls: list[int] = []
+
+    @dist.master_only
+    def save(value: int) -> int:
+        """Save a value."""
+        calls.append(value)
+        return value * 2
+
+    assert save.__name__ == "save"
+    assert save.__doc__ == "Save a value."
+    assert save(21) == 42
+    assert calls == [21]
+
+
+def test_default_backend_is_gloo_without_cuda() -> None:
+    expected = "nccl" if torch.cuda.is_available() else "gloo"
+    assert dist.default_backend() == expected
+
+
+def test_get_device_names_a_device_type() -> None:
+    assert dist.get_device() == ("cuda" if torch.cuda.is_available() else dist.get_device())
+    assert dist.get_device() in {"cuda", "xpu", "mps", "cpu"}
+
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+def test_get_data_device_of_nested_structures() -> None:
+    cpu = torch.device("cpu")
+    assert get_data_device(torch.zeros(2)) == cpu
+    assert get_data_device({"a": torch.zeros(1), "b": [torch.ones(1), (torch.ones(2),)]}) == cpu
+    assert get_data_device(Pair(torch.zeros(1), torch.zeros(1))) == cpu
+    assert get_data_device(torch.zeros(1, device="meta")) == torch.device("meta")
+    # values that hold no tensor are skipped when others do
+    assert get_data_device([[], torch.zeros(1)]) == cpu
+
+
+def test_get_data_device_mixed_devices_names_both_paths() -> None:
+    data = {"x": torch.zeros(1), "y": [torch.zeros(1, device="meta")]}
+    with pytest.raises(DeviceMismatchError) as info:
+        get_data_device(data)
+    text = str(info.value)
+    assert "data['x'] is on cpu" in text
+    assert "data['y'][0] is on meta" in text
+    assert "non-distributed process" in text
+
+
+def test_get_data_device_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="at least one tensor"):
+        get_data_device({})
+    with pytest.raises(TypeError, match="got int at data"):
+        get_data_device(3)
+
+
+def test_cast_data_device_keeps_container_types() -> None:
+    data = {
+        "pair": Pair(torch.ones(1), [torch.zeros(2)]),
+        "tuple": (torch.ones(1), "label", 3),
+        "od": collections.OrderedDict(a=torch.ones(1)),
+    }
+    moved = cast_data_device(data, "meta")
+    assert type(moved) is dict
+    assert type(moved["pair"]) is Pair
+    assert moved["pair"].left.device == torch.device("meta")
+    assert type(moved["pair"].right) is list
+    assert moved["pair"].right[0].device == torch.device("meta")
+    assert moved["tuple"][1:] == ("label", 3)
+    assert type(moved["od"]) is collections.OrderedDict
+    assert moved["od"]["a"].device == torch.device("meta")
+    # the input is untouched
+    assert data["pair"].left.device == torch.device("cpu")
+
+
+def test_cast_data_device_into_out() -> None:
+    src = {"a": torch.tensor([1.0, 2.0]), "b": [torch.tensor([3])]}
+    out = {"a": torch.zeros(2), "b": [torch.zeros(1, dtype=torch.long)]}
+    result = cast_data_device(src, "cpu", out=out)
+    assert result is out
+    assert out["a"].tolist() == [1.0, 2.0]
+    assert out["b"][0].tolist() == [3]
+    with pytest.raises(TypeError, match="keys of data"):
+        cast_data_device(src, "cpu", out={"a": torch.zeros(2)})
