@@ -1,1 +1,39 @@
-"""placeholder"""
+"""comm-collectives: collectives that never hang, and the whole comm-core API.
+
+``import comm_collectives as dist`` replaces ``mmengine.dist``.
+
+Example:
+    >>> import comm_collectives as dist
+    >>> dist.all_gather_object({"rank": dist.get_rank()})  # a world of one
+    [{'rank': 0}]
+"""
+
+from comm_core import *  # noqa: F403 - the whole comm-core API is part of this one
+from comm_core import __all__ as _core_all
+
+from .__about__ import __version__
+from .coalesced import all_reduce_dict, all_reduce_params
+from .objects import all_gather_object, broadcast_object_list, gather_object
+from .protocol import debug_enabled, debug_mode
+from .results import collect_results, collect_results_cpu, collect_results_gpu
+from .tensors import all_gather, all_reduce, broadcast, gather, sync_random_seed
+
+__all__ = [  # noqa: PLE0604
+    *[name for name in _core_all if name != "__version__"],
+    "__version__",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "all_reduce_dict",
+    "all_reduce_params",
+    "broadcast",
+    "broadcast_object_list",
+    "collect_results",
+    "collect_results_cpu",
+    "collect_results_gpu",
+    "debug_enabled",
+    "debug_mode",
+    "gather",
+    "gather_object",
+    "sync_random_seed",
+]

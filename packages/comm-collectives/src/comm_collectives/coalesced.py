@@ -1,0 +1,170 @@
+"""Coalesced reductions: all_reduce_dict and all_reduce_params.
+
+Both flatten many tensors into one buffer per dtype (and per size bucket), so a dict of
+128 scalars costs one handshake and one reduction, not 128.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from comm_core import CollectiveMismatchError, get_world_size
+
+from .protocol import Header, handshake, signature_of
+from .tensors import reduce_inplace, reduce_op_name
+
+__all__ = ["all_reduce_dict", "all_reduce_params"]
+
+
+def _reduce_flat(
+    tensors: list[torch.Tensor], op: str, group: torch_dist.ProcessGroup | None, operation: str
+) -> list[torch.Tensor]:
+    """Reduce tensors of one dtype through one flat buffer; return the reduced tensors."""
+    if len(tensors) == 1:
+        flat = tensors[0].detach().reshape(-1).clone()
+    else:
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    reduce_inplace(flat, op, group, operation)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def all_reduce_dict(
+    data: dict[str, torch.Tensor], op: str = "sum", group: torch_dist.ProcessGroup | None = None
+) -> None:
+    """Reduce every tensor of a dict across ranks, in place (the values are replaced).
+
+    All tensors of one dtype travel in one collective; integer means are exact. Every rank
+    must hold the same keys with the same shapes and dtypes: if not, every rank raises a
+    :class:`~comm_core.CollectiveMismatchError` listing each rank's keys.
+
+    Args:
+        data: Tensors by key.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
+        group: Process group; the default group when None.
+
+    Example:
+        >>> d = {"loss": torch.tensor(2.0)}
+        >>> all_reduce_dict(d, op="mean")  # a world of one
+        >>> d
+        {'loss': tensor(2.)}
+    """
+    name = reduce_op_name(op)
+    if not isinstance(data, Mapping):
+        message = f"all_reduce_dict: data must be a dict of tensors, got {type(data).__name__}."
+        raise TypeError(message)
+    if get_world_size(group) == 1:
+        return
+    keys = sorted(data, key=str)
+    error: BaseException | None = None
+    layout: list[Any] = []
+    for key in keys:
+        value = data[key]
+        if not isinstance(value, torch.Tensor):
+            error = TypeError(
+                f"all_reduce_dict: data[{key!r}] is a {type(value).__name__}, not a tensor; "
+                "wrap numbers with torch.tensor(value)."
+            )
+            break
+        layout.append((key, tuple(value.shape), str(value.dtype)))
+    peers = handshake(
+        Header("all_reduce_dict", error=error, reduce_op=name, signature=signature_of(layout)),
+        group,
+        same=("reduce_op",),
+    )
+    if len({p.signature for p in peers}) > 1:
+        _raise_key_mismatch(layout, group)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for key in keys:
+        by_dtype.setdefault(data[key].dtype, []).append(key)
+    for dtype_keys in by_dtype.values():
+        reduced = _reduce_flat([data[k] for k in dtype_keys], name, group, "all_reduce_dict")
+        for key, value in zip(dtype_keys, reduced):
+            data[key] = value
+
+
+def _raise_key_mismatch(layout: list[Any], group: torch_dist.ProcessGroup | None) -> None:
+    gathered: list[Any] = [None] * get_world_size(group)
+    torch_dist.all_gather_object(gathered, layout, group=group)
+    key_sets = [{k for k, _, _ in g} for g in gathered]
+    common = set.intersection(*key_sets)
+    rows = []
+    for rank, (entries, keys) in enumerate(zip(gathered, key_sets)):
+        differing = [f"{k} {list(s)} {d.replace('torch.', '')}" for k, s, d in entries if k in common]
+        rows.append(
+            {
+                "rank": rank,
+                "keys": len(keys),
+                "only here": ", ".join(sorted(map(str, keys - common))) or "-",
+                "shared keys (shape dtype)": "; ".join(differing) if len(differing) <= 4 else f"{len(differing)} keys",
+            }
+        )
+    missing = set.union(*key_sets) - common
+    problem = (
+        f"the ranks hold different keys ({', '.join(sorted(map(str, missing)))} missing on some ranks)."
+        if missing
+        else "the ranks hold the same keys with different shapes or dtypes."
+    )
+    raise CollectiveMismatchError(
+        "all_reduce_dict",
+        problem,
+        rows,
+        "every rank must reduce the same keys with the same shapes and dtypes.",
+    )
+
+
+def all_reduce_params(
+    params: Iterable[torch.Tensor],
+    coalesce: bool = True,
+    bucket_size_mb: float = -1,
+    op: str = "sum",
+    group: torch_dist.ProcessGroup | None = None,
+) -> None:
+    """Reduce parameters (or any tensors) across ranks, in place.
+
+    Args:
+        params: Tensors or ``nn.Parameter``s, e.g. ``model.parameters()``.
+        coalesce: Flatten tensors into buckets (one collective per bucket) instead of one
+            collective per tensor.
+        bucket_size_mb: Largest bucket in MiB; one bucket per dtype when <= 0.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
+        group: Process group; the default group when None.
+    """
+    name = reduce_op_name(op)
+    tensors = [p.data if isinstance(p, torch.nn.Parameter) else p for p in params]
+    if get_world_size(group) == 1 or not tensors:
+        return
+    layout = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+    handshake(
+        Header("all_reduce_params", reduce_op=name, signature=signature_of(layout), count=len(tensors)),
+        group,
+        same=("reduce_op", "signature"),
+        hint="every rank must pass the same parameters (shapes and dtypes, in order).",
+    )
+    if not coalesce:
+        for tensor in tensors:
+            reduce_inplace(tensor, name, group, "all_reduce_params")
+        return
+    for bucket in _buckets(tensors, bucket_size_mb):
+        for tensor, reduced in zip(bucket, _reduce_flat(bucket, name, group, "all_reduce_params")):
+            tensor.copy_(reduced)
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_size_mb: float) -> list[list[torch.Tensor]]:
+    limit = int(bucket_size_mb * 1024 * 1024) if bucket_size_mb > 0 else 0
+    open_buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    done: list[list[torch.Tensor]] = []
+    for tensor in tensors:
+        key = (tensor.dtype, tensor.device)
+        nbytes = tensor.numel() * tensor.element_size()
+        bucket = open_buckets.setdefault(key, [])
+        if limit and bucket and sizes[key] + nbytes > limit:
+            done.append(bucket)
+            bucket = open_buckets[key] = []
+            sizes[key] = 0
+        bucket.append(tensor)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    return done + [b for b in open_buckets.values() if b]

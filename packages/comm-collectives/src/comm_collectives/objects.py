@@ -1,0 +1,142 @@
+"""Object collectives: all_gather_object, gather_object and broadcast_object_list.
+
+Objects are pickled with protocol 5; tensors and numpy arrays inside them travel as raw
+buffers in the same message and come back as views of the receive buffer. A rank that
+cannot pickle its object makes every rank raise :class:`~comm_core.RemoteRankError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from comm_core import get_comm_device, get_rank, get_world_size
+
+from .protocol import Header, handshake
+from .serialization import Encoded, decode, encode
+from .tensors import _check_root, global_rank
+
+__all__ = ["all_gather_object", "broadcast_object_list", "gather_object"]
+
+
+def _encode(obj: Any) -> tuple[Encoded | None, BaseException | None]:
+    try:
+        return encode(obj), None
+    except Exception as exc:
+        return None, exc
+
+
+def _send_tensor(encoded: Encoded | None, width: int, device: torch.device) -> torch.Tensor:
+    send = torch.empty(width, dtype=torch.uint8)
+    if encoded is not None:
+        encoded.write_into(send.numpy())
+    return send.to(device)
+
+
+def _decode_rows(out: torch.Tensor, counts: list[int], width: int) -> list[Any]:
+    frames = out.cpu().numpy()
+    return [decode(frames[r * width : r * width + n]) for r, n in enumerate(counts)]
+
+
+def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -> list[Any]:
+    """Gather a picklable object from every rank on every rank.
+
+    Args:
+        data: Any picklable object; tensors and arrays in it are sent as raw buffers.
+        group: Process group; the default group when None.
+
+    Returns:
+        One object per rank, index = rank.
+
+    Raises:
+        RemoteRankError: Some rank could not pickle its object (raised on every rank).
+
+    Example:
+        >>> all_gather_object({"n": 1})  # a world of one
+        [{'n': 1}]
+    """
+    if get_world_size(group) == 1:
+        return [data]
+    encoded, error = _encode(data)
+    size = encoded.nbytes if encoded is not None else 0
+    peers = handshake(Header("all_gather_object", error=error, count=size), group)
+    counts = [p.count for p in peers]
+    width = max(counts)
+    device = get_comm_device(group)
+    out = torch.empty(len(counts) * width, dtype=torch.uint8, device=device)
+    torch_dist.all_gather_into_tensor(out, _send_tensor(encoded, width, device), group=group)
+    return _decode_rows(out, counts, width)
+
+
+def gather_object(
+    data: Any, dst: int = 0, group: torch_dist.ProcessGroup | None = None
+) -> list[Any] | None:
+    """Gather a picklable object from every rank on ``dst`` only.
+
+    Args:
+        data: Any picklable object.
+        dst: Receiving rank (in ``group``).
+        group: Process group; the default group when None.
+
+    Returns:
+        On ``dst`` one object per rank (index = rank); None elsewhere.
+
+    Raises:
+        RemoteRankError: Some rank could not pickle its object (raised on every rank).
+    """
+    _check_root("gather_object", dst, group, "dst")
+    if get_world_size(group) == 1:
+        return [data]
+    encoded, error = _encode(data)
+    size = encoded.nbytes if encoded is not None else 0
+    peers = handshake(Header("gather_object", error=error, root=dst, count=size), group, same=("root",))
+    counts = [p.count for p in peers]
+    width = max(counts)
+    device = get_comm_device(group)
+    send = _send_tensor(encoded, width, device)
+    if get_rank(group) != dst:
+        torch_dist.gather(send, None, dst=global_rank(group, dst), group=group)
+        return None
+    out = torch.empty(len(counts) * width, dtype=torch.uint8, device=device)
+    torch_dist.gather(send, list(out.view(len(counts), width).unbind(0)), dst=global_rank(group, dst), group=group)
+    return _decode_rows(out, counts, width)
+
+
+def broadcast_object_list(
+    data: list[Any], src: int = 0, group: torch_dist.ProcessGroup | None = None
+) -> None:
+    """Replace the items of ``data`` on every rank with those of rank ``src``, in place.
+
+    Args:
+        data: A list; on ``src`` its items are sent, elsewhere they are replaced.
+        src: Sending rank (in ``group``).
+        group: Process group; the default group when None.
+
+    Raises:
+        TypeError: ``data`` is not a list.
+        RemoteRankError: ``src`` could not pickle the list (raised on every rank).
+    """
+    _check_root("broadcast_object_list", src, group, "src")
+    if not isinstance(data, list):
+        message = f"broadcast_object_list: data must be a list, got {type(data).__name__}."
+        raise TypeError(message)
+    if get_world_size(group) == 1:
+        return
+    me = get_rank(group)
+    encoded, error = _encode(data) if me == src else (None, None)
+    size = encoded.nbytes if encoded is not None else 0
+    peers = handshake(
+        Header("broadcast_object_list", error=error, root=src, count=size), group, same=("root",)
+    )
+    nbytes = peers[src].count
+    device = get_comm_device(group)
+    if me == src:
+        assert encoded is not None
+        torch_dist.broadcast(encoded.to_tensor().to(device), global_rank(group, src), group=group)
+        return
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    torch_dist.broadcast(buffer, global_rank(group, src), group=group)
+    frame: np.ndarray[Any, np.dtype[np.uint8]] = buffer.cpu().numpy()
+    data[:] = decode(frame)

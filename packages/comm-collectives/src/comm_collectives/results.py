@@ -1,0 +1,190 @@
+"""collect_results: put the per-rank results of a distributed evaluation back in order.
+
+With a ``DistributedSampler`` rank ``r`` of ``W`` holds items ``r, r + W, r + 2W, ...``.
+Rank 0 receives the parts one rank at a time (so its memory holds the results plus one
+part in transit), interleaves them, keeps ``None`` results, and truncates the padding the
+sampler added. No shared filesystem is needed; with an explicit ``tmpdir`` the parts go
+through that folder instead, written atomically, and only what this call created is removed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from comm_core import get_backend, get_comm_device, get_rank, get_world_size
+
+from .protocol import Header, handshake
+from .serialization import Encoded, decode, encode
+from .tensors import global_rank
+
+__all__ = ["collect_results", "collect_results_cpu", "collect_results_gpu"]
+
+_DEVICES = ("cpu", "gpu")
+_cpu_groups: dict[object, torch_dist.ProcessGroup] = {}
+
+
+def _cpu_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup | None:
+    """A gloo group over the ranks of ``group`` (``group`` itself when it is gloo already)."""
+    if get_backend(group) == "gloo":
+        return group
+    key = group if group is not None else "default"
+    if key not in _cpu_groups:
+        ranks = None if group is None else torch_dist.get_process_group_ranks(group)
+        _cpu_groups[key] = torch_dist.new_group(ranks=ranks, backend="gloo")
+    return _cpu_groups[key]
+
+
+def _interleave(parts: list[list[Any]], size: int) -> list[Any]:
+    ordered: list[Any] = []
+    for row in itertools.zip_longest(*parts, fillvalue=_MISSING):
+        ordered.extend(item for item in row if item is not _MISSING)
+        if len(ordered) >= size:
+            break
+    return ordered[:size]
+
+
+_MISSING = object()
+
+
+def _check_args(results: Any, size: int, device: str) -> None:
+    if device not in _DEVICES:
+        message = f"collect_results: device must be one of {', '.join(_DEVICES)}, got {device!r}."
+        raise ValueError(message)
+    if not isinstance(results, list):
+        message = f"collect_results: results must be a list, got {type(results).__name__}."
+        raise TypeError(message)
+    if size < 0:
+        message = f"collect_results: size must be >= 0, got {size}."
+        raise ValueError(message)
+
+
+def collect_results(
+    results: list[Any],
+    size: int,
+    device: str = "cpu",
+    tmpdir: str | None = None,
+    group: torch_dist.ProcessGroup | None = None,
+) -> list[Any] | None:
+    """Collect every rank's results on rank 0, in dataset order.
+
+    Args:
+        results: This rank's results, in the order its sampler gave the items.
+        size: Length of the dataset; the padding a sampler adds is cut off.
+        device: ``"cpu"`` sends the parts over a CPU (gloo) group, or through ``tmpdir``;
+            ``"gpu"`` sends them over the group's own backend on its device.
+        tmpdir: Folder for the parts in cpu mode; it must be shared by all ranks. Created
+            (private) if missing and then removed; a folder that existed is left in place.
+        group: Process group; the default group when None.
+
+    Returns:
+        On rank 0 the ``size`` results in order; None on the other ranks.
+
+    Raises:
+        RemoteRankError: A rank could not pickle or write its part (raised on every rank).
+
+    Example:
+        >>> collect_results([0, None, 2], size=2)  # a world of one
+        [0, None]
+    """
+    _check_args(results, size, device)
+    if get_world_size(group) == 1:
+        return results[:size]
+    if device == "cpu" and tmpdir is not None:
+        return _collect_through_folder(results, size, tmpdir, group)
+    transport = _cpu_group(group) if device == "cpu" else group
+    return _collect_by_messages(results, size, transport, device)
+
+
+def collect_results_cpu(
+    result_part: list[Any], size: int, tmpdir: str | None = None
+) -> list[Any] | None:
+    """``collect_results(result_part, size, "cpu", tmpdir)``."""
+    return collect_results(result_part, size, "cpu", tmpdir)
+
+
+def collect_results_gpu(result_part: list[Any], size: int) -> list[Any] | None:
+    """``collect_results(result_part, size, "gpu")``."""
+    return collect_results(result_part, size, "gpu")
+
+
+def _collect_by_messages(
+    results: list[Any], size: int, group: torch_dist.ProcessGroup | None, device: str
+) -> list[Any] | None:
+    me = get_rank(group)
+    encoded: Encoded | None = None
+    error: BaseException | None = None
+    if me != 0:
+        try:
+            encoded = encode(results)
+        except Exception as exc:
+            error = exc
+    peers = handshake(
+        Header("collect_results", error=error, count=encoded.nbytes if encoded else 0), group
+    )
+    comm_device = get_comm_device(group) if device == "gpu" else torch.device("cpu")
+    if me != 0:
+        assert encoded is not None
+        torch_dist.send(encoded.to_tensor().to(comm_device), global_rank(group, 0), group=group)
+        return None
+    parts: list[list[Any]] = [results]
+    for peer in peers[1:]:
+        buffer = torch.empty(peer.count, dtype=torch.uint8, device=comm_device)
+        torch_dist.recv(buffer, global_rank(group, peer.rank), group=group)
+        frame: np.ndarray[Any, np.dtype[np.uint8]] = buffer.cpu().numpy()
+        parts.append(decode(frame))
+        del buffer, frame
+    return _interleave(parts, size)
+
+
+def _collect_through_folder(
+    results: list[Any], size: int, tmpdir: str, group: torch_dist.ProcessGroup | None
+) -> list[Any] | None:
+    me = get_rank(group)
+    created = False
+    path = ""
+    error: BaseException | None = None
+    try:
+        if not os.path.isdir(tmpdir):
+            os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+            created = me == 0
+        encoded = encode(results)
+        path = os.path.join(tmpdir, f"comm-part-{me}-{uuid.uuid4().hex}.bin")
+        staging = path + ".partial"
+        frame = np.empty(encoded.nbytes, dtype=np.uint8)
+        encoded.write_into(frame)
+        frame.tofile(staging)
+        os.replace(staging, path)  # readers never see a half-written part
+    except Exception as exc:
+        error = exc
+    try:
+        handshake(Header("collect_results", error=error), group)
+    except BaseException:
+        if path and os.path.exists(path):
+            os.remove(path)
+        raise
+    names = _exchange_names(path, group)
+    if me != 0:
+        return None
+    parts: list[list[Any]] = [results]
+    for name in names[1:]:
+        parts.append(decode(np.fromfile(name, dtype=np.uint8)))
+        os.remove(name)
+    os.remove(path)
+    if created:
+        try:
+            os.rmdir(tmpdir)  # only if empty: never delete what others put there
+        except OSError:
+            pass
+    return _interleave(parts, size)
+
+
+def _exchange_names(path: str, group: torch_dist.ProcessGroup | None) -> list[str]:
+    names: list[Any] = [None] * get_world_size(group)
+    torch_dist.all_gather_object(names, path, group=_cpu_group(group))
+    return [str(n) for n in names]

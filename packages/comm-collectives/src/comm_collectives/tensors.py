@@ -1,0 +1,281 @@
+"""Tensor collectives: all_reduce, all_gather, gather, broadcast and sync_random_seed.
+
+Each moves the data to the communication device of the group and back, keeps the caller's
+dtype and device, works in a plain process (a world of one), and starts with the handshake
+of :mod:`comm_collectives.protocol`, so a mismatch raises on every rank instead of hanging.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+import torch.distributed as torch_dist
+from comm_core import get_comm_device, get_rank, get_world_size
+
+from .protocol import REDUCE_OPS, Header, handshake
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "gather",
+    "global_rank",
+    "reduce_op_name",
+    "reduce_inplace",
+    "sync_random_seed",
+]
+
+_TORCH_OPS = {
+    "sum": torch_dist.ReduceOp.SUM,
+    "mean": torch_dist.ReduceOp.SUM,
+    "max": torch_dist.ReduceOp.MAX,
+    "min": torch_dist.ReduceOp.MIN,
+    "product": torch_dist.ReduceOp.PRODUCT,
+}
+
+
+def reduce_op_name(op: str) -> str:
+    """Return the canonical name of a reduce op, or raise a ValueError listing the valid ones."""
+    name = op.lower() if isinstance(op, str) else op
+    if name not in REDUCE_OPS:
+        message = f"Unknown reduce op {op!r}; expected one of {', '.join(REDUCE_OPS)}."
+        raise ValueError(message)
+    return str(name)
+
+
+def global_rank(group: torch_dist.ProcessGroup | None, rank: int) -> int:
+    """Translate a rank of ``group`` into the global rank torch's rooted calls expect."""
+    if group is None or group is torch_dist.group.WORLD:
+        return rank
+    return int(torch_dist.get_global_rank(group, rank))
+
+
+def _check_root(name: str, root: int, group: torch_dist.ProcessGroup | None, what: str) -> None:
+    world = get_world_size(group)
+    if not 0 <= root < world:
+        message = f"{name}: {what}={root} is not a rank of the group (0..{world - 1})."
+        raise ValueError(message)
+
+
+def reduce_inplace(
+    tensor: torch.Tensor, op: str, group: torch_dist.ProcessGroup | None, operation: str
+) -> None:
+    """Reduce ``tensor`` across ``group`` in place, with no handshake (the caller did it).
+
+    ``mean`` of an integer tensor is exact: the sums are reduced in int64 and the result is
+    stored only when every element divides evenly; otherwise a ValueError (the same on every
+    rank, since every rank holds the same sums) leaves ``tensor`` untouched.
+    """
+    world = get_world_size(group)
+    device = get_comm_device(group)
+    exact_mean = op == "mean" and not (tensor.is_floating_point() or tensor.is_complex())
+    if tensor.dtype == torch.bool:
+        if op in ("sum", "mean"):
+            message = (
+                f"{operation}: op={op!r} is not defined for a bool tensor; use 'max' (any) or "
+                "'min' (all), or convert the tensor to an integer dtype."
+            )
+            raise TypeError(message)
+        work = tensor.to(device=device, dtype=torch.uint8)
+    elif exact_mean:
+        work = tensor.to(device=device, dtype=torch.int64)
+    else:
+        work = tensor if tensor.device == device and tensor.is_contiguous() else tensor.to(device).contiguous()
+    if world > 1:
+        torch_dist.all_reduce(work, _TORCH_OPS[op], group=group)
+    if exact_mean:
+        quotient = torch.div(work, world, rounding_mode="floor")
+        inexact = quotient * world != work
+        if bool(inexact.any()):
+            first = int(inexact.reshape(-1).nonzero()[0])
+            total = int(work.reshape(-1)[first])
+            message = (
+                f"{operation}(op='mean') on a {tensor.dtype} tensor: the mean is not an integer "
+                f"for {int(inexact.sum())} of {work.numel()} elements (element {first}: sum "
+                f"{total} over {world} ranks = {total / world}). The tensor is left unchanged; "
+                "convert it to a floating dtype first, e.g. data = data.float()."
+            )
+            raise ValueError(message)
+        work = quotient
+    elif op == "mean":
+        work.div_(world)
+    if work is not tensor:
+        tensor.copy_(work)
+
+
+def all_reduce(
+    data: torch.Tensor, op: str = "sum", group: torch_dist.ProcessGroup | None = None
+) -> None:
+    """Reduce ``data`` across all ranks, in place.
+
+    Args:
+        data: The tensor; every rank passes the same shape and dtype.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"`` (case-insensitive).
+        group: Process group; the default group when None.
+
+    Raises:
+        ValueError: Unknown op, or an integer mean that is not an integer (data unchanged).
+        CollectiveMismatchError: Ranks passed different shapes, dtypes or ops.
+
+    Example:
+        >>> t = torch.tensor([1, 3])
+        >>> all_reduce(t, op="mean")  # a world of one: unchanged
+        >>> t
+        tensor([1, 3])
+    """
+    name = reduce_op_name(op)
+    if get_world_size(group) == 1:
+        return
+    handshake(
+        Header("all_reduce", dtype=data.dtype, reduce_op=name, shape=tuple(data.shape)),
+        group,
+        same=("dtype", "reduce_op", "shape"),
+        hint="all_reduce needs the same shape, dtype and op on every rank.",
+    )
+    reduce_inplace(data, name, group, "all_reduce")
+
+
+def _gather_layout(
+    operation: str, data: torch.Tensor, group: torch_dist.ProcessGroup | None, root: int = -1
+) -> list[tuple[int, ...]]:
+    peers = handshake(
+        Header(operation, dtype=data.dtype, root=root, shape=tuple(data.shape), count=data.numel()),
+        group,
+        same=("dtype", "root"),
+        hint=f"{operation} accepts different shapes but needs one dtype and one root.",
+    )
+    return [p.shape or () for p in peers]
+
+
+def _padded_send(data: torch.Tensor, device: torch.device, width: int) -> torch.Tensor:
+    flat = data.detach().to(device).reshape(-1)
+    if flat.numel() == width:
+        return flat.contiguous()
+    send = torch.zeros(width, dtype=data.dtype, device=device)
+    send[: flat.numel()] = flat
+    return send
+
+
+def _split(
+    out: torch.Tensor, shapes: list[tuple[int, ...]], width: int, device: torch.device
+) -> list[torch.Tensor]:
+    rows = out.view(len(shapes), width).to(device)
+    parts = []
+    for row, shape in zip(rows, shapes):
+        parts.append(row[: _numel(shape)].view(shape))
+    return parts
+
+
+def all_gather(
+    data: torch.Tensor, group: torch_dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """Gather ``data`` from every rank; shapes may differ across ranks.
+
+    Args:
+        data: This rank's tensor; dtype must be the same on every rank.
+        group: Process group; the default group when None.
+
+    Returns:
+        One tensor per rank (index = rank), each with that rank's shape, on ``data``'s device.
+
+    Example:
+        >>> all_gather(torch.arange(3))  # a world of one
+        [tensor([0, 1, 2])]
+    """
+    if get_world_size(group) == 1:
+        return [data]
+    shapes = _gather_layout("all_gather", data, group)
+    device = get_comm_device(group)
+    width = max(_numel(s) for s in shapes)
+    if width == 0:
+        return [torch.empty(s, dtype=data.dtype, device=data.device) for s in shapes]
+    out = torch.empty(len(shapes) * width, dtype=data.dtype, device=device)
+    torch_dist.all_gather_into_tensor(out, _padded_send(data, device, width), group=group)
+    return _split(out, shapes, width, data.device)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def gather(
+    data: torch.Tensor, dst: int = 0, group: torch_dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """Gather ``data`` from every rank on ``dst``; shapes may differ across ranks.
+
+    The tensors travel on the group's communication device (a CUDA device under nccl).
+
+    Args:
+        data: This rank's tensor; dtype must be the same on every rank.
+        dst: Receiving rank (in ``group``).
+        group: Process group; the default group when None.
+
+    Returns:
+        On ``dst`` one tensor per rank on ``data``'s device; an empty list elsewhere.
+    """
+    _check_root("gather", dst, group, "dst")
+    if get_world_size(group) == 1:
+        return [data]
+    shapes = _gather_layout("gather", data, group, root=dst)
+    device = get_comm_device(group)
+    width = max(_numel(s) for s in shapes)
+    me = get_rank(group)
+    if width == 0:
+        return [torch.empty(s, dtype=data.dtype, device=data.device) for s in shapes] if me == dst else []
+    send = _padded_send(data, device, width)
+    if me == dst:
+        out = torch.empty(len(shapes) * width, dtype=data.dtype, device=device)
+        torch_dist.gather(send, list(out.view(len(shapes), width).unbind(0)), dst=global_rank(group, dst), group=group)
+        return _split(out, shapes, width, data.device)
+    torch_dist.gather(send, None, dst=global_rank(group, dst), group=group)
+    return []
+
+
+def broadcast(
+    data: torch.Tensor, src: int = 0, group: torch_dist.ProcessGroup | None = None
+) -> None:
+    """Copy ``data`` of rank ``src`` into ``data`` of every rank, in place.
+
+    Args:
+        data: The tensor; every rank passes the same shape and dtype.
+        src: Sending rank (in ``group``).
+        group: Process group; the default group when None.
+
+    Raises:
+        CollectiveMismatchError: Ranks passed different shapes, dtypes or sources.
+    """
+    _check_root("broadcast", src, group, "src")
+    if get_world_size(group) == 1:
+        return
+    handshake(
+        Header("broadcast", dtype=data.dtype, root=src, shape=tuple(data.shape)),
+        group,
+        same=("dtype", "root", "shape"),
+        hint="broadcast needs a tensor of the same shape and dtype on every rank.",
+    )
+    device = get_comm_device(group)
+    work = data if data.device == device and data.is_contiguous() else data.to(device).contiguous()
+    torch_dist.broadcast(work, global_rank(group, src), group=group)
+    if work is not data:
+        data.copy_(work)
+
+
+def sync_random_seed(group: torch_dist.ProcessGroup | None = None) -> int:
+    """Return one random seed, the same on every rank.
+
+    Rank 0 draws it from the operating system's entropy, so neither numpy's nor torch's
+    global random state is touched.
+
+    Returns:
+        A seed in ``[0, 2**31)``.
+    """
+    seed = secrets.randbelow(2**31)
+    if get_world_size(group) == 1:
+        return seed
+    tensor = torch.tensor([seed], dtype=torch.int64, device=get_comm_device(group))
+    torch_dist.broadcast(tensor, global_rank(group, 0), group=group)
+    return int(tensor.item())
