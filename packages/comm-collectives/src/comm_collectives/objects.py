@@ -14,7 +14,7 @@ import torch
 import torch.distributed as torch_dist
 from comm_core import get_comm_device, get_rank, get_world_size
 
-from .protocol import Header, handshake
+from .protocol import Header, all_gather_flat, handshake
 from .serialization import Encoded, decode, encode
 from .tensors import _check_root, global_rank
 
@@ -66,7 +66,7 @@ def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -
     width = max(counts)
     device = get_comm_device(group)
     out = torch.empty(len(counts) * width, dtype=torch.uint8, device=device)
-    torch_dist.all_gather_into_tensor(out, _send_tensor(encoded, width, device), group=group)
+    all_gather_flat(out, _send_tensor(encoded, width, device), group=group)
     return _decode_rows(out, counts, width)
 
 

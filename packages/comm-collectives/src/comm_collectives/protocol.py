@@ -35,7 +35,17 @@ from comm_core import (
     get_world_size,
 )
 
-__all__ = ["Header", "debug_enabled", "debug_mode", "handshake", "signature_of"]
+__all__ = [
+    "Header",
+    "all_gather_flat",
+    "debug_enabled",
+    "debug_mode",
+    "handshake",
+    "signature_of",
+]
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; the packages support >= 2.4.
+all_gather_flat = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
 
 MAX_DIMS = 16
 _FIELDS = 8  # op, status, dtype, reduce op, root, ndim, count, signature
@@ -231,7 +241,7 @@ def handshake(
     device = get_comm_device(group)
     local = torch.tensor(header.encode(), dtype=torch.int64, device=device)
     table = torch.empty(get_world_size(group) * _WIDTH, dtype=torch.int64, device=device)
-    torch_dist.all_gather_into_tensor(table, local, group=group)
+    all_gather_flat(table, local, group=group)
     peers = [_decode(r, row) for r, row in enumerate(table.view(-1, _WIDTH).cpu().tolist())]
 
     def rows() -> list[dict[str, object]]:

@@ -146,28 +146,37 @@ def _collect_through_folder(
     results: list[Any], size: int, tmpdir: str, group: torch_dist.ProcessGroup | None
 ) -> list[Any] | None:
     me = get_rank(group)
+    # 1. rank 0 alone creates a missing folder, so it alone knows whether to remove it
     created = False
-    path = ""
     error: BaseException | None = None
+    if me == 0 and not os.path.isdir(tmpdir):
+        try:
+            os.makedirs(tmpdir, mode=0o700)
+            created = True
+        except Exception as exc:
+            error = exc
+    handshake(Header("collect_results", error=error, root=0), group)
+    # 2. every rank writes its part atomically: readers never see a half-written file
+    path = ""
     try:
-        if not os.path.isdir(tmpdir):
-            os.makedirs(tmpdir, mode=0o700, exist_ok=True)
-            created = me == 0
         encoded = encode(results)
         path = os.path.join(tmpdir, f"comm-part-{me}-{uuid.uuid4().hex}.bin")
-        staging = path + ".partial"
         frame = np.empty(encoded.nbytes, dtype=np.uint8)
         encoded.write_into(frame)
-        frame.tofile(staging)
-        os.replace(staging, path)  # readers never see a half-written part
+        frame.tofile(path + ".partial")
+        os.replace(path + ".partial", path)
     except Exception as exc:
         error = exc
     try:
-        handshake(Header("collect_results", error=error), group)
+        handshake(Header("collect_results", error=error, root=0), group)
     except BaseException:
-        if path and os.path.exists(path):
-            os.remove(path)
+        for leftover in (path, path + ".partial"):
+            if leftover and os.path.exists(leftover):
+                os.remove(leftover)
+        if created:
+            _remove_if_empty(tmpdir)
         raise
+    # 3. rank 0 reads the parts in rank order, removing each file it has read
     names = _exchange_names(path, group)
     if me != 0:
         return None
@@ -177,11 +186,15 @@ def _collect_through_folder(
         os.remove(name)
     os.remove(path)
     if created:
-        try:
-            os.rmdir(tmpdir)  # only if empty: never delete what others put there
-        except OSError:
-            pass
+        _remove_if_empty(tmpdir)
     return _interleave(parts, size)
+
+
+def _remove_if_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)  # only when empty: never delete what others put there
+    except OSError:
+        pass
 
 
 def _exchange_names(path: str, group: torch_dist.ProcessGroup | None) -> list[str]:

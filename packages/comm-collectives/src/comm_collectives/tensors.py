@@ -13,7 +13,7 @@ import torch
 import torch.distributed as torch_dist
 from comm_core import get_comm_device, get_rank, get_world_size
 
-from .protocol import REDUCE_OPS, Header, handshake
+from .protocol import REDUCE_OPS, Header, all_gather_flat, handshake
 
 __all__ = [
     "all_gather",
@@ -79,7 +79,7 @@ def reduce_inplace(
             raise TypeError(message)
         work = tensor.to(device=device, dtype=torch.uint8)
     elif exact_mean:
-        work = tensor.to(device=device, dtype=torch.int64)
+        work = tensor.to(device=device, dtype=torch.int64, copy=True)
     else:
         work = tensor if tensor.device == device and tensor.is_contiguous() else tensor.to(device).contiguous()
     if world > 1:
@@ -148,23 +148,32 @@ def _gather_layout(
     return [p.shape or () for p in peers]
 
 
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor: gloo moves bytes of any dtype."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
 def _padded_send(data: torch.Tensor, device: torch.device, width: int) -> torch.Tensor:
-    flat = data.detach().to(device).reshape(-1)
-    if flat.numel() == width:
-        return flat.contiguous()
-    send = torch.zeros(width, dtype=data.dtype, device=device)
+    """The bytes of ``data`` on ``device``, zero-padded to ``width`` elements."""
+    flat = _as_bytes(data.detach().to(device).contiguous())
+    nbytes = width * data.element_size()
+    if flat.numel() == nbytes:
+        return flat
+    send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     send[: flat.numel()] = flat
     return send
 
 
 def _split(
-    out: torch.Tensor, shapes: list[tuple[int, ...]], width: int, device: torch.device
+    out: torch.Tensor,
+    shapes: list[tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[torch.Tensor]:
-    rows = out.view(len(shapes), width).to(device)
-    parts = []
-    for row, shape in zip(rows, shapes):
-        parts.append(row[: _numel(shape)].view(shape))
-    return parts
+    """Cut the gathered bytes into one tensor per rank, each with its own shape."""
+    rows = out.view(len(shapes), -1).to(device)
+    size = torch.empty((), dtype=dtype).element_size()
+    return [row[: _numel(shape) * size].view(dtype).view(shape) for row, shape in zip(rows, shapes)]
 
 
 def all_gather(
@@ -190,9 +199,10 @@ def all_gather(
     width = max(_numel(s) for s in shapes)
     if width == 0:
         return [torch.empty(s, dtype=data.dtype, device=data.device) for s in shapes]
-    out = torch.empty(len(shapes) * width, dtype=data.dtype, device=device)
-    torch_dist.all_gather_into_tensor(out, _padded_send(data, device, width), group=group)
-    return _split(out, shapes, width, data.device)
+    send = _padded_send(data, device, width)
+    out = torch.empty(len(shapes) * send.numel(), dtype=torch.uint8, device=device)
+    all_gather_flat(out, send, group=group)
+    return _split(out, shapes, data.dtype, data.device)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -228,9 +238,10 @@ def gather(
         return [torch.empty(s, dtype=data.dtype, device=data.device) for s in shapes] if me == dst else []
     send = _padded_send(data, device, width)
     if me == dst:
-        out = torch.empty(len(shapes) * width, dtype=data.dtype, device=device)
-        torch_dist.gather(send, list(out.view(len(shapes), width).unbind(0)), dst=global_rank(group, dst), group=group)
-        return _split(out, shapes, width, data.device)
+        out = torch.empty(len(shapes) * send.numel(), dtype=torch.uint8, device=device)
+        rows = list(out.view(len(shapes), -1).unbind(0))
+        torch_dist.gather(send, rows, dst=global_rank(group, dst), group=group)
+        return _split(out, shapes, data.dtype, data.device)
     torch_dist.gather(send, None, dst=global_rank(group, dst), group=group)
     return []
 
@@ -259,7 +270,7 @@ def broadcast(
     )
     device = get_comm_device(group)
     work = data if data.device == device and data.is_contiguous() else data.to(device).contiguous()
-    torch_dist.broadcast(work, global_rank(group, src), group=group)
+    torch_dist.broadcast(_as_bytes(work), global_rank(group, src), group=group)
     if work is not data:
         data.copy_(work)
 

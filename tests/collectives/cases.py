@@ -1,0 +1,255 @@
+"""Module-level functions the collectives tests run on every rank of a real gloo world.
+
+Inputs depend on the rank; the tests compare the returned values with results derived by
+hand from those inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import torch
+
+import comm_collectives as dist
+from comm_core import CollectiveMismatchError, RemoteRankError
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+def _caught(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "", ""
+
+
+def all_reduce_ops() -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for op in ("sum", "mean", "max", "min", "product", "SUM"):
+        t = torch.tensor([rank + 1.0, 2.0 * (rank + 1)])
+        dist.all_reduce(t, op=op)
+        out[op] = t.tolist()
+    ints = torch.tensor([2 * rank, 4], dtype=torch.int32)
+    dist.all_reduce(ints, op="mean")
+    out["int_mean"] = (ints.tolist(), str(ints.dtype))
+    inexact = torch.tensor([rank, 7], dtype=torch.int64)
+    out["int_mean_inexact"] = _caught(dist.all_reduce, inexact, op="mean")
+    out["int_mean_inexact_untouched"] = inexact.tolist()
+    flags = torch.tensor([rank == 0, True])
+    dist.all_reduce(flags, op="max")
+    out["bool_max"] = flags.tolist()
+    out["bad_op"] = _caught(dist.all_reduce, torch.ones(1), op="avg")
+    group = torch.distributed.new_group([0, 1])
+    if rank in (0, 1):
+        g = torch.tensor([10.0 * (rank + 1)])
+        dist.all_reduce(g, group=group)
+        out["group"] = g.item()
+    torch.distributed.destroy_process_group(group)
+    return out
+
+
+def all_gather_shapes() -> dict[str, Any]:
+    rank = dist.get_rank()
+    even = dist.all_gather(torch.full((2, 2), float(rank)))
+    uneven = dist.all_gather(torch.arange(rank * 3, dtype=torch.int16).reshape(rank, 3))
+    scalar = dist.all_gather(torch.tensor(rank))
+    ragged_ndim = dist.all_gather(torch.ones((1,) * (rank + 1)))
+    empty = dist.all_gather(torch.empty(0))
+    return {
+        "even": [p.tolist() for p in even],
+        "uneven": [(tuple(p.shape), p.tolist(), str(p.dtype)) for p in uneven],
+        "scalar": [p.item() for p in scalar],
+        "ragged_ndim": [tuple(p.shape) for p in ragged_ndim],
+        "empty": [tuple(p.shape) for p in empty],
+        "dtype_mismatch": _caught(
+            dist.all_gather, torch.ones(1, dtype=torch.float32 if rank else torch.float64)
+        ),
+    }
+
+
+def gather_to(dst: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    parts = dist.gather(torch.arange(rank + 1, dtype=torch.float64) + 10 * rank, dst=dst)
+    return {"parts": [p.tolist() for p in parts], "devices": sorted({str(p.device) for p in parts})}
+
+
+def broadcast_cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    t = torch.full((3,), float(rank))
+    dist.broadcast(t, src=world - 1)
+    shape = _caught(dist.broadcast, torch.zeros(rank + 1), src=0)
+    bad_src = _caught(dist.broadcast, torch.zeros(1), src=world)
+    return {"value": t.tolist(), "shape_mismatch": shape, "bad_src": bad_src}
+
+
+def seed_cases() -> dict[str, Any]:
+    np.random.seed(1234)
+    torch.manual_seed(1234)
+    random.seed(1234)
+    seeds = [dist.sync_random_seed() for _ in range(3)]
+    return {
+        "seeds": seeds,
+        "numpy_next": float(np.random.rand()),
+        "torch_next": float(torch.rand(1)),
+        "random_next": random.random(),
+    }
+
+
+class Unpicklable:
+    def __reduce__(self) -> Any:
+        message = "this object refuses to be pickled"
+        raise RuntimeError(message)
+
+
+def object_cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    payload = {
+        "rank": rank,
+        "text": "x" * rank,
+        "tensor": torch.arange(rank + 2, dtype=torch.float32) * (rank + 1),
+        "array": np.full((2, rank + 1), rank, dtype=np.int32),
+        "point": Point(rank, None),
+        "param": torch.nn.Parameter(torch.ones(2) * rank),
+        "bf16": torch.full((2,), rank + 0.5, dtype=torch.bfloat16),
+    }
+    gathered = dist.all_gather_object(payload)
+    to_last = dist.gather_object(payload, dst=world - 1)
+    items: list[Any] = [{"from": rank, "arr": np.arange(4) * rank}, None, "tail"] if rank == 1 else [0, 0, 0]
+    dist.broadcast_object_list(items, src=1)
+    unpicklable = _caught(dist.all_gather_object, Unpicklable() if rank == world - 1 else rank)
+    unpicklable_src = _caught(dist.broadcast_object_list, [Unpicklable()], src=0)
+
+    def describe(o: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "rank": o["rank"],
+            "text": o["text"],
+            "tensor": o["tensor"].tolist(),
+            "array": o["array"].tolist(),
+            "array_dtype": str(o["array"].dtype),
+            "point": tuple(o["point"]),
+            "point_type": type(o["point"]).__name__,
+            "param": (type(o["param"]).__name__, o["param"].tolist(), o["param"].requires_grad),
+            "bf16": (str(o["bf16"].dtype), o["bf16"].float().tolist()),
+        }
+
+    return {
+        "gathered": [describe(o) for o in gathered],
+        "gather_object": None if to_last is None else [describe(o) for o in to_last],
+        "broadcast": [items[0]["from"], items[0]["arr"].tolist(), items[1], items[2]],
+        "unpicklable": unpicklable,
+        "unpicklable_src": unpicklable_src,
+        "after_errors": dist.all_gather_object(rank),  # the world is still usable
+    }
+
+
+def reduce_dict_cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    data = {
+        "loss": torch.tensor(float(rank + 1)),
+        "count": torch.tensor([rank + 1, 2], dtype=torch.int64),
+        "acc": torch.tensor([[0.5 * rank]], dtype=torch.float64),
+    }
+    dist.all_reduce_dict(data, op="sum")
+    summed = {k: (v.tolist(), str(v.dtype), tuple(v.shape)) for k, v in data.items()}
+    mean = {"even": torch.tensor([2 * rank], dtype=torch.int32), "f": torch.tensor([1.0 * rank])}
+    dist.all_reduce_dict(mean, op="mean")
+    keys = {"a": torch.ones(1), f"only_{rank}": torch.ones(1)}
+    key_error = _caught(dist.all_reduce_dict, keys)
+    not_tensor = _caught(dist.all_reduce_dict, {"a": 1.0 if rank == 0 else torch.ones(1)})
+    return {
+        "summed": summed,
+        "mean": {k: v.tolist() for k, v in mean.items()},
+        "key_error": key_error,
+        "not_tensor": not_tensor,
+    }
+
+
+def reduce_params_cases(coalesce: bool, bucket_size_mb: float) -> list[list[float]]:
+    rank = dist.get_rank()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.fill_(rank + i)
+    extra = torch.full((4,), rank, dtype=torch.int64)
+    dist.all_reduce_params(
+        [*model.parameters(), extra], coalesce=coalesce, bucket_size_mb=bucket_size_mb, op="sum"
+    )
+    return [p.reshape(-1).tolist() for p in model.parameters()] + [extra.tolist()]
+
+
+def collect_cases(device: str, root: str | None) -> dict[str, Any]:
+    """collect_results with a DistributedSampler-like split; ``root`` is a shared folder."""
+    rank, world = dist.get_dist_info()
+    size = 10
+    # DistributedSampler padding: ceil(10 / W) items a rank, the last ones wrap around
+    per_rank = -(-size // world)
+    indices = [(rank + world * i) % size for i in range(per_rank)]
+    results: list[Any] = [None if i % 4 == 3 else {"idx": i, "t": torch.tensor([i])} for i in indices]
+    if rank == world - 1:
+        results = results[:-1]  # uneven parts
+    tmpdir = os.path.join(root, "parts") if root else None  # does not exist yet
+    user_dir = os.path.join(root, "user") if root else None  # the test made it, with a file
+    out = dist.collect_results(results, size, device=device, tmpdir=tmpdir)
+    out_user = dist.collect_results(results, size, device=device, tmpdir=user_dir)
+    dist.barrier()
+    summary = None
+    if out is not None:
+        summary = [None if r is None else (r["idx"], r["t"].tolist()) for r in out]
+    return {
+        "result": summary,
+        "same_with_user_dir": (out_user is None)
+        or [None if r is None else r["idx"] for r in out_user]
+        == [None if r is None else r["idx"] for r in out],
+        "tmpdir_removed": tmpdir is None or not os.path.exists(tmpdir),
+        "user_dir_kept": user_dir is None or sorted(os.listdir(user_dir)) == ["keep.txt"],
+    }
+
+
+def collect_error_case() -> tuple[str, str]:
+    rank = dist.get_rank()
+    results: list[Any] = [Unpicklable()] if rank == 1 else [rank]
+    return _caught(dist.collect_results, results, 4)
+
+
+def mismatch_cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        out["different_ops"] = _caught(dist.all_reduce, torch.ones(2))
+    else:
+        out["different_ops"] = _caught(dist.broadcast, torch.ones(2))
+    out["shape"] = _caught(dist.all_reduce, torch.ones(rank + 1))
+    with dist.debug_mode():
+        out["debug_enabled"] = dist.debug_enabled()
+        out["debug_shape"] = _caught(dist.all_reduce, torch.ones(rank + 1))
+        ok = torch.ones(2)
+        dist.all_reduce(ok)
+        out["debug_ok"] = ok.tolist()
+    out["debug_after"] = dist.debug_enabled()
+    return out
+
+
+def remote_error_details() -> dict[str, Any]:
+    rank = dist.get_rank()
+    try:
+        dist.all_gather_object(Unpicklable() if rank == 1 else rank)
+    except RemoteRankError as exc:
+        return {"ranks": exc.ranks, "operation": exc.operation, "cause": type(exc.__cause__).__name__}
+    return {}
+
+
+def mismatch_rows() -> list[dict[str, object]]:
+    rank = dist.get_rank()
+    try:
+        dist.all_reduce(torch.ones(rank + 1))
+    except CollectiveMismatchError as exc:
+        return list(exc.rows)
+    return []

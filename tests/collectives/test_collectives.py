@@ -1,0 +1,232 @@
+"""Every collective on real gloo worlds of 2 and 3 ranks, checked against hand-derived values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import cases
+
+WORLDS = [2, 3]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_every_op(run_distributed: Any, world: int) -> None:
+    results = run_distributed(cases.all_reduce_ops, world_size=world)
+    ranks = range(world)
+    s1 = sum(r + 1 for r in ranks)
+    p1 = 1
+    for r in ranks:
+        p1 *= r + 1
+    for rank, r in enumerate(results):
+        assert r["sum"] == [s1, 2 * s1]
+        assert r["SUM"] == [s1, 2 * s1]
+        assert r["mean"] == [s1 / world, 2 * s1 / world]
+        assert r["max"] == [world, 2 * world]
+        assert r["min"] == [1, 2]
+        assert r["product"] == [p1, p1 * 2**world]
+        # integer mean is exact: mean(2r) = W - 1, mean(4) = 4; dtype kept
+        assert r["int_mean"] == ([world - 1, 4], "torch.int32")
+        # mean of [0, 1(, 2)] is not an integer for world 2: a clear error, data untouched
+        name, message = r["int_mean_inexact"]
+        if world == 2:
+            assert name == "ValueError"
+            assert "mean is not an integer for 1 of 2 elements" in message
+            assert "sum 1 over 2 ranks = 0.5" in message
+            assert "data.float()" in message
+            assert r["int_mean_inexact_untouched"] == [rank, 7]
+        else:  # (0 + 1 + 2) / 3 = 1 and 7 * 3 / 3 = 7: exact
+            assert (name, r["int_mean_inexact_untouched"]) == ("", [1, 7])
+        assert r["bool_max"] == [True, True]
+        assert r["bad_op"][0] == "ValueError"
+        assert "expected one of sum, mean, max, min, product" in r["bad_op"][1]
+        if rank in (0, 1):
+            assert r["group"] == 30.0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_gather_even_uneven_and_scalar(run_distributed: Any, world: int) -> None:
+    for r in run_distributed(cases.all_gather_shapes, world_size=world):
+        assert r["even"] == [[[float(k)] * 2] * 2 for k in range(world)]
+        expected = [
+            ((k, 3), [list(range(3 * i, 3 * i + 3)) for i in range(k)], "torch.int16")
+            for k in range(world)
+        ]
+        assert r["uneven"] == expected
+        assert r["scalar"] == list(range(world))
+        assert r["ragged_ndim"] == [(1,) * (k + 1) for k in range(world)]
+        assert r["empty"] == [(0,)] * world
+        name, message = r["dtype_mismatch"]
+        assert name == "CollectiveMismatchError"
+        assert "different dtype" in message
+        assert "float64" in message
+        assert "float32" in message
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gather_uneven_to_every_root(run_distributed: Any, world: int) -> None:
+    for dst in range(world):
+        results = run_distributed(cases.gather_to, dst, world_size=world)
+        for rank, r in enumerate(results):
+            if rank == dst:
+                assert r["parts"] == [[10.0 * k + i for i in range(k + 1)] for k in range(world)]
+                assert r["devices"] == ["cpu"]
+            else:
+                assert r["parts"] == []
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_broadcast_and_its_errors(run_distributed: Any, world: int) -> None:
+    for r in run_distributed(cases.broadcast_cases, world_size=world):
+        assert r["value"] == [float(world - 1)] * 3
+        name, message = r["shape_mismatch"]
+        assert name == "CollectiveMismatchError"
+        assert "different shape" in message
+        assert r["bad_src"][0] == "ValueError"
+        assert f"src={world} is not a rank of the group (0..{world - 1})" in r["bad_src"][1]
+
+
+def test_sync_random_seed_is_shared_and_leaves_global_rngs_alone(run_distributed: Any) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    np.random.seed(1234)
+    torch.manual_seed(1234)
+    random.seed(1234)
+    expected = (float(np.random.rand()), float(torch.rand(1)), random.random())
+    results = run_distributed(cases.seed_cases, world_size=3)
+    assert results[0]["seeds"] == results[1]["seeds"] == results[2]["seeds"]
+    assert len(set(results[0]["seeds"])) == 3  # fresh each call
+    assert all(0 <= s < 2**31 for s in results[0]["seeds"])
+    for r in results:
+        assert (r["numpy_next"], r["torch_next"], r["random_next"]) == expected
+
+
+def _describe_expected(k: int) -> dict[str, Any]:
+    return {
+        "rank": k,
+        "text": "x" * k,
+        "tensor": [float(i * (k + 1)) for i in range(k + 2)],
+        "array": [[k] * (k + 1)] * 2,
+        "array_dtype": "int32",
+        "point": (k, None),
+        "point_type": "Point",
+        "param": ("Parameter", [float(k)] * 2, True),
+        "bf16": ("torch.bfloat16", [k + 0.5] * 2),
+    }
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_object_collectives_carry_tensors_arrays_and_errors(run_distributed: Any, world: int) -> None:
+    results = run_distributed(cases.object_cases, world_size=world)
+    expected = [_describe_expected(k) for k in range(world)]
+    for rank, r in enumerate(results):
+        assert r["gathered"] == expected
+        assert r["gather_object"] == (expected if rank == world - 1 else None)
+        assert r["broadcast"] == [1, [0, 1, 2, 3], None, "tail"]
+        name, message = r["unpicklable"]
+        assert name == "RemoteRankError"
+        assert f"all_gather_object failed on rank(s) {world - 1}" in message
+        assert "this object refuses to be pickled" in message
+        name, message = r["unpicklable_src"]
+        assert name == "RemoteRankError"
+        assert "broadcast_object_list failed on rank(s) 0" in message
+        assert r["after_errors"] == list(range(world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_dict_sums_means_and_key_check(run_distributed: Any, world: int) -> None:
+    s = sum(range(1, world + 1))
+    for r in run_distributed(cases.reduce_dict_cases, world_size=world):
+        assert r["summed"] == {
+            "loss": (float(s), "torch.float32", ()),
+            "count": ([s, 2 * world], "torch.int64", (2,)),
+            "acc": ([[0.5 * sum(range(world))]], "torch.float64", (1, 1)),
+        }
+        assert r["mean"] == {"even": [world - 1], "f": [sum(range(world)) / world]}
+        name, message = r["key_error"]
+        assert name == "CollectiveMismatchError"
+        assert "different keys" in message
+        for k in range(world):
+            assert f"only_{k}" in message
+        name, message = r["not_tensor"]
+        assert name == "RemoteRankError"
+        assert "data['a'] is a float, not a tensor" in message
+
+
+@pytest.mark.parametrize(("coalesce", "bucket"), [(True, -1), (True, 0.00001), (False, -1)])
+def test_all_reduce_params(run_distributed: Any, coalesce: bool, bucket: float) -> None:
+    world = 3
+    results = run_distributed(cases.reduce_params_cases, coalesce, bucket, world_size=world)
+    sizes = [6, 2, 2, 1]
+    expected = [[float(sum(r + i for r in range(world)))] * n for i, n in enumerate(sizes)]
+    expected.append([sum(range(world))] * 4)
+    assert results == [expected] * world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(("device", "tmpdir"), [("cpu", False), ("cpu", True), ("gpu", False)])
+def test_collect_results_order_none_and_truncation(
+    run_distributed: Any, world: int, device: str, tmpdir: bool, tmp_path: Path
+) -> None:
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "keep.txt").write_text("mine")
+    root = str(tmp_path) if tmpdir else None
+    results = run_distributed(cases.collect_cases, device, root, world_size=world)
+    size = 10
+    per_rank = -(-size // world)
+    # hand-derived: the interleaved order is the dataset order, truncated to size
+    expected = [None if i % 4 == 3 else (i, [i]) for i in range(size)]
+    # rank W-1 dropped its last item, which lies beyond `size` only when padding was added
+    if world * per_rank == size:
+        dropped = (world - 1) + world * (per_rank - 1)
+        expected = [e for i, e in enumerate(expected) if i != dropped]
+    assert results[0]["result"] == expected
+    for r in results[1:]:
+        assert r["result"] is None
+    for r in results:
+        assert r["same_with_user_dir"] is True
+        assert r["tmpdir_removed"] is True
+        assert r["user_dir_kept"] is True
+
+
+def test_collect_results_error_on_one_rank_raises_everywhere(run_distributed: Any) -> None:
+    for name, message in run_distributed(cases.collect_error_case, world_size=2):
+        assert name == "RemoteRankError"
+        assert "collect_results failed on rank(s) 1" in message
+
+
+def test_mismatched_calls_raise_on_every_rank(run_distributed: Any) -> None:
+    for r in run_distributed(cases.mismatch_cases, world_size=2):
+        name, message = r["different_ops"]
+        assert name == "CollectiveMismatchError"
+        assert "different collectives" in message
+        assert "all_reduce" in message
+        assert "broadcast" in message
+        assert r["shape"][0] == "CollectiveMismatchError"
+        assert r["debug_enabled"] is True
+        name, message = r["debug_shape"]
+        assert name == "CollectiveMismatchError"
+        assert "call site" in message
+        assert "cases.py:" in message
+        assert r["debug_ok"] == [2.0, 2.0]
+        assert r["debug_after"] is False
+
+
+def test_remote_rank_error_names_rank_and_cause(run_distributed: Any) -> None:
+    for r in run_distributed(cases.remote_error_details, world_size=3):
+        assert r["ranks"] == (1,)
+        assert r["operation"] == "all_gather_object"
+    assert run_distributed(cases.remote_error_details, world_size=3)[1]["cause"] == "RuntimeError"
+
+
+def test_mismatch_table_has_a_row_per_rank(run_distributed: Any) -> None:
+    rows = run_distributed(cases.mismatch_rows, world_size=3)[0]
+    assert [row["rank"] for row in rows] == [0, 1, 2]
+    assert [row["shape"] for row in rows] == [(1,), (2,), (3,)]
+    assert {row["dtype"] for row in rows} == {"float32"}
+    assert {row["op"] for row in rows} == {"sum"}
