@@ -17,9 +17,7 @@ def _no_leaked_dist_state() -> Iterator[None]:
     before = {name: os.environ.get(name) for name in _WATCHED}
     yield
     leaked = {
-        name: os.environ.get(name)
-        for name in _WATCHED
-        if os.environ.get(name) != before[name]
+        name: os.environ.get(name) for name in _WATCHED if os.environ.get(name) != before[name]
     }
     open_group = torch_dist.is_available() and torch_dist.is_initialized()
     if open_group:

@@ -122,7 +122,9 @@ def object_cases() -> dict[str, Any]:
     }
     gathered = dist.all_gather_object(payload)
     to_last = dist.gather_object(payload, dst=world - 1)
-    items: list[Any] = [{"from": rank, "arr": np.arange(4) * rank}, None, "tail"] if rank == 1 else [0, 0, 0]
+    items: list[Any] = (
+        [{"from": rank, "arr": np.arange(4) * rank}, None, "tail"] if rank == 1 else [0, 0, 0]
+    )
     dist.broadcast_object_list(items, src=1)
     unpicklable = _caught(dist.all_gather_object, Unpicklable() if rank == world - 1 else rank)
     unpicklable_src = _caught(dist.broadcast_object_list, [Unpicklable()], src=0)
@@ -192,7 +194,9 @@ def collect_cases(device: str, root: str | None) -> dict[str, Any]:
     # DistributedSampler padding: ceil(10 / W) items a rank, the last ones wrap around
     per_rank = -(-size // world)
     indices = [(rank + world * i) % size for i in range(per_rank)]
-    results: list[Any] = [None if i % 4 == 3 else {"idx": i, "t": torch.tensor([i])} for i in indices]
+    results: list[Any] = [
+        None if i % 4 == 3 else {"idx": i, "t": torch.tensor([i])} for i in indices
+    ]
     if rank == world - 1:
         results = results[:-1]  # uneven parts
     tmpdir = os.path.join(root, "parts") if root else None  # does not exist yet
@@ -242,7 +246,11 @@ def remote_error_details() -> dict[str, Any]:
     try:
         dist.all_gather_object(Unpicklable() if rank == 1 else rank)
     except RemoteRankError as exc:
-        return {"ranks": exc.ranks, "operation": exc.operation, "cause": type(exc.__cause__).__name__}
+        return {
+            "ranks": exc.ranks,
+            "operation": exc.operation,
+            "cause": type(exc.__cause__).__name__,
+        }
     return {}
 
 

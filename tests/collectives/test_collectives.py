@@ -121,7 +121,9 @@ def _describe_expected(k: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_object_collectives_carry_tensors_arrays_and_errors(run_distributed: Any, world: int) -> None:
+def test_object_collectives_carry_tensors_arrays_and_errors(
+    run_distributed: Any, world: int
+) -> None:
     results = run_distributed(cases.object_cases, world_size=world)
     expected = [_describe_expected(k) for k in range(world)]
     for rank, r in enumerate(results):

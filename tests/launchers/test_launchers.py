@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from comm_core import slurm_job_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +29,9 @@ def _run(script: str, *args: str, out: Path) -> list[dict[str, object]]:
         text=True,
         timeout=240,
     )
-    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    )
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     return sorted(records, key=lambda r: int(r["rank"]))
 

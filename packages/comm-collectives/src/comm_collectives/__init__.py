@@ -18,7 +18,7 @@ from .protocol import debug_enabled, debug_mode
 from .results import collect_results, collect_results_cpu, collect_results_gpu
 from .tensors import all_gather, all_reduce, broadcast, gather, sync_random_seed
 
-__all__ = [  # noqa: PLE0604
+__all__ = [
     *[name for name in _core_all if name != "__version__"],
     "__version__",
     "all_gather",

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
+
 from comm_core import CollectiveMismatchError, get_world_size
 
 from .protocol import Header, handshake, signature_of
@@ -28,7 +29,9 @@ def _reduce_flat(
     else:
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     reduce_inplace(flat, op, group, operation)
-    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    return [
+        part.view(t.shape) for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)
+    ]
 
 
 def all_reduce_dict(
@@ -92,13 +95,17 @@ def _raise_key_mismatch(layout: list[Any], group: torch_dist.ProcessGroup | None
     common = set.intersection(*key_sets)
     rows = []
     for rank, (entries, keys) in enumerate(zip(gathered, key_sets)):
-        differing = [f"{k} {list(s)} {d.replace('torch.', '')}" for k, s, d in entries if k in common]
+        differing = [
+            f"{k} {list(s)} {d.replace('torch.', '')}" for k, s, d in entries if k in common
+        ]
         rows.append(
             {
                 "rank": rank,
                 "keys": len(keys),
                 "only here": ", ".join(sorted(map(str, keys - common))) or "-",
-                "shared keys (shape dtype)": "; ".join(differing) if len(differing) <= 4 else f"{len(differing)} keys",
+                "shared keys (shape dtype)": "; ".join(differing)
+                if len(differing) <= 4
+                else f"{len(differing)} keys",
             }
         )
     missing = set.union(*key_sets) - common
@@ -138,7 +145,9 @@ def all_reduce_params(
         return
     layout = [(tuple(t.shape), str(t.dtype)) for t in tensors]
     handshake(
-        Header("all_reduce_params", reduce_op=name, signature=signature_of(layout), count=len(tensors)),
+        Header(
+            "all_reduce_params", reduce_op=name, signature=signature_of(layout), count=len(tensors)
+        ),
         group,
         same=("reduce_op", "signature"),
         hint="every rank must pass the same parameters (shapes and dtypes, in order).",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from comm_core import get_rank, get_world_size
 from comm_core.doctor import CheckResult
 
@@ -26,5 +27,7 @@ def check() -> list[CheckResult]:
     results = [CheckResult("all_gather_object", ok, f"{ms:.2f} ms" if ok else repr(objects))]
     parts = all_gather(torch.arange(rank + 1))
     ok = [p.tolist() for p in parts] == [list(range(r + 1)) for r in range(world)]
-    results.append(CheckResult("uneven all_gather", ok, "shapes " + ",".join(str(len(p)) for p in parts)))
+    results.append(
+        CheckResult("uneven all_gather", ok, "shapes " + ",".join(str(len(p)) for p in parts))
+    )
     return results

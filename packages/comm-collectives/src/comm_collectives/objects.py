@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+
 from comm_core import get_comm_device, get_rank, get_world_size
 
 from .protocol import Header, all_gather_flat, handshake
@@ -91,7 +92,9 @@ def gather_object(
         return [data]
     encoded, error = _encode(data)
     size = encoded.nbytes if encoded is not None else 0
-    peers = handshake(Header("gather_object", error=error, root=dst, count=size), group, same=("root",))
+    peers = handshake(
+        Header("gather_object", error=error, root=dst, count=size), group, same=("root",)
+    )
     counts = [p.count for p in peers]
     width = max(counts)
     device = get_comm_device(group)
@@ -100,7 +103,9 @@ def gather_object(
         torch_dist.gather(send, None, dst=global_rank(group, dst), group=group)
         return None
     out = torch.empty(len(counts) * width, dtype=torch.uint8, device=device)
-    torch_dist.gather(send, list(out.view(len(counts), width).unbind(0)), dst=global_rank(group, dst), group=group)
+    torch_dist.gather(
+        send, list(out.view(len(counts), width).unbind(0)), dst=global_rank(group, dst), group=group
+    )
     return _decode_rows(out, counts, width)
 
 

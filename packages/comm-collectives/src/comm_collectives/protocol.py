@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
+
 from comm_core import (
     CollectiveMismatchError,
     RankFailure,
@@ -45,7 +46,9 @@ __all__ = [
 ]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the packages support >= 2.4.
-all_gather_flat = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+all_gather_flat = (
+    getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+)
 
 MAX_DIMS = 16
 _FIELDS = 8  # op, status, dtype, reduce op, root, ndim, count, signature
@@ -207,7 +210,9 @@ def _call_site() -> str:
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "?"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return (
+        f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    )
 
 
 def handshake(
@@ -267,9 +272,7 @@ def handshake(
     return peers
 
 
-def _raise_remote(
-    header: Header, peers: list[Peer], group: torch_dist.ProcessGroup | None
-) -> None:
+def _raise_remote(header: Header, peers: list[Peer], group: torch_dist.ProcessGroup | None) -> None:
     failure: RankFailure | None = None
     if header.error is not None:
         error = header.error

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+
 from comm_core import get_backend, get_comm_device, get_rank, get_world_size
 
 from .protocol import Header, handshake

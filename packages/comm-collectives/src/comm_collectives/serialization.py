@@ -58,11 +58,15 @@ class _Pickler(pickle.Pickler):
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         tensor = tensor.contiguous()
-        raw = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0, dtype=torch.uint8)
+        raw = (
+            tensor.reshape(-1).view(torch.uint8)
+            if tensor.numel()
+            else tensor.new_empty(0, dtype=torch.uint8)
+        )
         return (
             _rebuild_tensor,
             (
-                pickle.PickleBuffer(raw.numpy()),
+                pickle.PickleBuffer(raw.numpy().data),
                 tensor.dtype,
                 tuple(tensor.shape),
                 obj.requires_grad,
@@ -116,6 +120,6 @@ def decode(frame: np.ndarray[Any, np.dtype[np.uint8]]) -> Any:
     offset = _aligned(8 * (2 + n_buffers))
     pieces = []
     for length in lengths:
-        pieces.append(memoryview(frame[offset : offset + length]))
+        pieces.append(frame[offset : offset + length].data)
         offset += _aligned(length)
     return pickle.loads(pieces[0], buffers=pieces[1:])

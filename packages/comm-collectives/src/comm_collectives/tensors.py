@@ -11,6 +11,7 @@ import secrets
 
 import torch
 import torch.distributed as torch_dist
+
 from comm_core import get_comm_device, get_rank, get_world_size
 
 from .protocol import REDUCE_OPS, Header, all_gather_flat, handshake
@@ -21,8 +22,8 @@ __all__ = [
     "broadcast",
     "gather",
     "global_rank",
-    "reduce_op_name",
     "reduce_inplace",
+    "reduce_op_name",
     "sync_random_seed",
 ]
 
@@ -81,7 +82,11 @@ def reduce_inplace(
     elif exact_mean:
         work = tensor.to(device=device, dtype=torch.int64, copy=True)
     else:
-        work = tensor if tensor.device == device and tensor.is_contiguous() else tensor.to(device).contiguous()
+        work = (
+            tensor
+            if tensor.device == device and tensor.is_contiguous()
+            else tensor.to(device).contiguous()
+        )
     if world > 1:
         torch_dist.all_reduce(work, _TORCH_OPS[op], group=group)
     if exact_mean:
@@ -235,7 +240,11 @@ def gather(
     width = max(_numel(s) for s in shapes)
     me = get_rank(group)
     if width == 0:
-        return [torch.empty(s, dtype=data.dtype, device=data.device) for s in shapes] if me == dst else []
+        return (
+            [torch.empty(s, dtype=data.dtype, device=data.device) for s in shapes]
+            if me == dst
+            else []
+        )
     send = _padded_send(data, device, width)
     if me == dst:
         out = torch.empty(len(shapes) * send.numel(), dtype=torch.uint8, device=device)

@@ -279,7 +279,9 @@ def _parse_int(name: str, value: str) -> int:
 
 def _require(env: Mapping[str, str], name: str, launcher: str, hint: str) -> int:
     if name not in env:
-        message = f"Launcher {launcher!r} needs environment variable {name}, which is not set. {hint}"
+        message = (
+            f"Launcher {launcher!r} needs environment variable {name}, which is not set. {hint}"
+        )
         raise LauncherError(message)
     return _parse_int(name, env[name])
 
@@ -328,7 +330,9 @@ def _check_ranks(
 
 
 def _read_pytorch(env: Mapping[str, str], port: int | None, need_master: bool) -> LaunchEnv:
-    hint = "Start the script with torchrun, or export RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+    hint = (
+        "Start the script with torchrun, or export RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+    )
     rank = _require(env, "RANK", "pytorch", hint)
     world = _require(env, "WORLD_SIZE", "pytorch", hint)
     local_rank = _optional_int(env, "LOCAL_RANK")
@@ -418,9 +422,7 @@ def _read_mpi(env: Mapping[str, str], port: int | None, need_master: bool) -> La
             "MPI does not tell where rank 0 runs: export MASTER_ADDR=<host of rank 0> and "
             "forward it, e.g. `mpirun -x MASTER_ADDR=node01 -x MASTER_PORT=29500 ...`.",
         )
-    return LaunchEnv(
-        "mpi", rank, world, local_rank, local_size, addr, master_port, _node_key("")
-    )
+    return LaunchEnv("mpi", rank, world, local_rank, local_size, addr, master_port, _node_key(""))
 
 
 def _node_key(node_index: str) -> str:

@@ -196,7 +196,8 @@ def init_local_group(node_rank: int | None = None, num_gpus_per_node: int | None
         )
         raise ValueError(message)
     blocks = [
-        list(range(start, start + num_gpus_per_node)) for start in range(0, world, num_gpus_per_node)
+        list(range(start, start + num_gpus_per_node))
+        for start in range(0, world, num_gpus_per_node)
     ]
     if node_rank is not None and torch_dist.get_rank() not in blocks[node_rank]:
         message = (

@@ -319,8 +319,8 @@ class WorldPool:
                     stack = handle.read().strip()
             except OSError:
                 stack = ""
-            details[rank] = (
-                "did not finish within the timeout; its stack:\n" + (stack or "(no stack dumped)")
+            details[rank] = "did not finish within the timeout; its stack:\n" + (
+                stack or "(no stack dumped)"
             )
 
     def _stack_path(self, rank: int) -> str:
@@ -329,7 +329,9 @@ class WorldPool:
 
     def _reports(self, states: list[str], details: list[Any], ok_state: str) -> list[RankReport]:
         return [
-            RankReport(rank, "ok" if state == ok_state else state, "" if state == ok_state else str(detail))
+            RankReport(
+                rank, "ok" if state == ok_state else state, "" if state == ok_state else str(detail)
+            )
             for rank, (state, detail) in enumerate(zip(states, details))
         ]
 
