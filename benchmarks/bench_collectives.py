@@ -1,0 +1,290 @@
+"""Benchmark comm_collectives against torch.distributed and mmengine.dist, in one run.
+
+Two local gloo ranks (spawned by comm_core.testing) run every case for every
+implementation; repeats are interleaved between implementations, each time is the
+slowest rank's, and the table reports medians after a warm-up. The raw reference is a
+``torch.distributed.all_gather_into_tensor`` of the same number of bytes.
+
+    python benchmarks/bench_collectives.py [--smoke] [--repeats N] [--out DIR]
+
+Writes DIR/results.md (a markdown table) and DIR/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+import comm_collectives as comm
+from comm_core.testing import launch
+
+gather_flat = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+
+
+def _sizes(smoke: bool) -> dict[str, int]:
+    if smoke:
+        return {"dicts": 20, "array_mb": 1, "tensor_mb": 1, "scalars": 8, "results": 200}
+    return {"dicts": 2000, "array_mb": 32, "tensor_mb": 4, "scalars": 128, "results": 20000}
+
+
+def _small_dicts(n: int, rank: int) -> list[dict[str, Any]]:
+    return [
+        {"idx": i * 2 + rank, "score": 0.5 + i, "label": f"class_{i % 17}", "ok": i % 3 == 0}
+        for i in range(n)
+    ]
+
+
+def _raw(nbytes: int) -> Callable[[], Any]:
+    world = torch_dist.get_world_size()
+    send = torch.ones(nbytes, dtype=torch.uint8)
+    out = torch.empty(nbytes * world, dtype=torch.uint8)
+    return lambda: gather_flat(out, send)
+
+
+def _torch_reduce_dict(data: dict[str, torch.Tensor]) -> None:
+    for value in data.values():
+        torch_dist.all_reduce(value)
+
+
+def _torch_collect(results: list[Any], size: int) -> list[Any] | None:
+    world = torch_dist.get_world_size()
+    parts: list[Any] = [None] * world if torch_dist.get_rank() == 0 else None  # type: ignore[assignment]
+    torch_dist.gather_object(results, parts, dst=0)
+    if parts is None:
+        return None
+    ordered = [item for row in zip(*parts) for item in row]
+    return ordered[:size]
+
+
+def _cases(sizes: dict[str, int]) -> list[tuple[str, int, dict[str, Callable[[], Any]]]]:
+    """(name, bytes moved a rank, {implementation: call})."""
+    import mmengine.dist as mm
+
+    rank = torch_dist.get_rank()
+    world = torch_dist.get_world_size()
+    dicts = _small_dicts(sizes["dicts"], rank)
+    array = np.full(sizes["array_mb"] * 2**20 // 4, rank, dtype=np.float32)
+    tensors = {f"t{i}": torch.full((sizes["tensor_mb"] * 2**20 // 4,), float(i)) for i in range(8)}
+    big = {"weights": np.ones(sizes["array_mb"] * 2**20 // 4, dtype=np.float32)}
+    scalars = {f"metric_{i}": torch.tensor(float(i + rank)) for i in range(sizes["scalars"])}
+    n = sizes["results"]
+    results = _small_dicts(n, rank)
+    size = n * world
+
+    def fresh() -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in scalars.items()}
+
+    array_bytes = array.nbytes
+    tensor_bytes = sum(t.numel() * 4 for t in tensors.values())
+    return [
+        (
+            f"all_gather_object: {sizes['dicts']} small dicts",
+            len(pickle.dumps(dicts)),
+            {
+                "comm": lambda: comm.all_gather_object(dicts),
+                "torch": lambda: torch_dist.all_gather_object([None] * world, dicts),
+                "mmengine": lambda: mm.all_gather_object(dicts),
+            },
+        ),
+        (
+            f"all_gather_object: {sizes['array_mb']} MB float32 array",
+            array_bytes,
+            {
+                "comm": lambda: comm.all_gather_object(array),
+                "torch": lambda: torch_dist.all_gather_object([None] * world, array),
+                "mmengine": lambda: mm.all_gather_object(array),
+                "raw": _raw(array_bytes),
+            },
+        ),
+        (
+            f"all_gather_object: dict of 8 x {sizes['tensor_mb']} MB tensors",
+            tensor_bytes,
+            {
+                "comm": lambda: comm.all_gather_object(tensors),
+                "torch": lambda: torch_dist.all_gather_object([None] * world, tensors),
+                "mmengine": lambda: mm.all_gather_object(tensors),
+                "raw": _raw(tensor_bytes),
+            },
+        ),
+        (
+            f"broadcast_object_list: {sizes['array_mb']} MB object",
+            array_bytes,
+            {
+                "comm": lambda: comm.broadcast_object_list([big if rank == 0 else None]),
+                "torch": lambda: torch_dist.broadcast_object_list([big if rank == 0 else None]),
+                "mmengine": lambda: mm.broadcast_object_list([big if rank == 0 else None]),
+            },
+        ),
+        (
+            f"all_reduce_dict: {sizes['scalars']} scalar tensors",
+            sizes["scalars"] * 4,
+            {
+                "comm": lambda: comm.all_reduce_dict(fresh()),
+                "torch": lambda: _torch_reduce_dict(fresh()),
+                "mmengine": lambda: mm.all_reduce_dict(fresh()),
+            },
+        ),
+        (
+            f"collect_results cpu: {n} small dicts a rank",
+            len(pickle.dumps(results)),
+            {
+                "comm": lambda: comm.collect_results(results, size, device="cpu"),
+                "torch": lambda: _torch_collect(results, size),
+                "mmengine": lambda: mm.collect_results(results, size, device="cpu"),
+            },
+        ),
+        (
+            f"collect_results gpu: {n} small dicts a rank",
+            len(pickle.dumps(results)),
+            {
+                "comm": lambda: comm.collect_results(results, size, device="gpu"),
+                "mmengine": lambda: mm.collect_results(results, size, device="gpu"),
+            },
+        ),
+    ]
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def _peak_increase_kib(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """Peak RSS growth of this process during ``fn`` (Linux: VmHWM reset by clear_refs)."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    before = _rss_kib("VmRSS")
+    result = fn()
+    return _rss_kib("VmHWM") - before, result
+
+
+def run_rank(smoke: bool, repeats: int, warmup: int, workdir: str) -> dict[str, Any]:
+    """Measure every case on this rank; return per-case medians (slowest rank's time)."""
+    # mmengine's cpu mode needs a folder shared by the ranks: it writes .dist_test in the cwd
+    os.chdir(workdir)
+    sizes = _sizes(smoke)
+    table: list[dict[str, Any]] = []
+    for name, nbytes, impls in _cases(sizes):
+        samples: dict[str, list[float]] = {impl: [] for impl in impls}
+        for step in range(warmup + repeats):
+            for impl, call in impls.items():
+                torch_dist.barrier()
+                start = time.perf_counter()
+                call()
+                elapsed = time.perf_counter() - start
+                if step >= warmup:
+                    samples[impl].append(elapsed)
+        medians = {}
+        for impl, times in samples.items():
+            local = torch.tensor(times, dtype=torch.float64)
+            torch_dist.all_reduce(local, torch_dist.ReduceOp.MAX)
+            medians[impl] = statistics.median(local.tolist())
+        table.append({"case": name, "bytes_per_rank": nbytes, "seconds": medians})
+    memory = _memory(sizes)
+    return {"sizes": sizes, "cases": table, "memory": memory}
+
+
+def _memory(sizes: dict[str, int]) -> dict[str, Any]:
+    import mmengine.dist as mm
+
+    rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
+    n = sizes["results"]
+    results = _small_dicts(n, rank)
+    out: dict[str, Any] = {}
+    for label, fn in (
+        ("comm cpu", lambda: comm.collect_results(results, n * world, device="cpu")),
+        ("comm gpu", lambda: comm.collect_results(results, n * world, device="gpu")),
+        ("mmengine cpu", lambda: mm.collect_results(results, n * world, device="cpu")),
+        ("mmengine gpu", lambda: mm.collect_results(results, n * world, device="gpu")),
+    ):
+        torch_dist.barrier()
+        peak, result = _peak_increase_kib(fn)
+        if rank == 0:
+            returned = len(pickle.dumps(result))
+            out[label] = {"peak_kib": peak, "returned_pickled_kib": returned // 1024}
+        del result
+        gc.collect()
+    return out
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "| case | comm | torch.distributed | mmengine | raw all_gather | comm / mmengine | comm / raw |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{1000 * value:.2f} ms"
+
+    for case in result["cases"]:
+        s = case["seconds"]
+        ratio_mm = s["comm"] / s["mmengine"] if "mmengine" in s else None
+        ratio_raw = s["comm"] / s["raw"] if "raw" in s else None
+        lines.append(
+            f"| {case['case']} | {ms(s.get('comm'))} | {ms(s.get('torch'))} | "
+            f"{ms(s.get('mmengine'))} | {ms(s.get('raw'))} | "
+            f"{'-' if ratio_mm is None else f'{ratio_mm:.2f}x'} | "
+            f"{'-' if ratio_raw is None else f'{ratio_raw:.2f}x'} |"
+        )
+    lines += [
+        "",
+        "| rank 0 in collect_results | peak RSS growth | pickled size returned | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, m in result["memory"].items():
+        ratio = m["peak_kib"] / max(m["returned_pickled_kib"], 1)
+        lines.append(
+            f"| {label} | {m['peak_kib'] / 1024:.1f} MiB | "
+            f"{m['returned_pickled_kib'] / 1024:.1f} MiB | {ratio:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 repeats (CI)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    repeats = args.repeats or (2 if args.smoke else 9)
+    warmup = 1 if args.smoke else 2
+    # Import this file as a module so the ranks can find run_rank by name.
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_collectives import run_rank as rank_fn
+
+    env = {"OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory(prefix="comm-bench-") as workdir:
+        result = launch(
+            rank_fn, args.smoke, repeats, warmup, workdir, nprocs=2, timeout=1800, env=env
+        )[0]
+    result["repeats"] = repeats
+    result["torch"] = torch.__version__
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    table = _markdown(result)
+    (out / "results.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
