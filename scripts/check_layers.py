@@ -11,8 +11,9 @@ from __future__ import annotations
 import ast
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["comm-core", "comm-collectives", "comm-wrappers", "comm-strategies"]
@@ -47,7 +48,9 @@ def main() -> int:
         below = LAYERS[index - 1] if index else None
         for name, spec in declared.items():
             if name in LAYERS and name != below:
-                problems.append(f"{dist} declares {name}; only {below or 'no comm package'} is allowed")
+                problems.append(
+                    f"{dist} declares {name}; only {below or 'no comm package'} is allowed"
+                )
             if name == below and not re.search(r">=\s*[\d.]+\s*,\s*<\s*[\d.]+", spec):
                 problems.append(f"{dist} declares {spec!r}; use a bounded range such as >=0.1,<0.2")
         if below and below not in declared:

@@ -30,7 +30,8 @@ def _reduce_flat(
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     reduce_inplace(flat, op, group, operation)
     return [
-        part.view(t.shape) for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)
+        part.view(t.shape)
+        for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)
     ]
 
 
