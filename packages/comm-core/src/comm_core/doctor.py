@@ -226,10 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             destroy_dist()
         return status
     if args.nproc > 0:
-        from .testing.pool import launch
+        from comm_core import doctor  # by name: as ``python -m``, this module is __main__
+        from comm_core.testing.pool import launch
 
         results = launch(
-            _rank_main,
+            doctor._rank_main,
             args.check,
             "local (comm-doctor --nproc)",
             nprocs=args.nproc,

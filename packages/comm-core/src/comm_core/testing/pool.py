@@ -107,6 +107,9 @@ def _worker_main(conn: Connection) -> None:
                 message = conn.recv()
             except EOFError:
                 return
+            except Exception:  # e.g. the function cannot be imported here
+                conn.send(("error", traceback.format_exc()))
+                continue
             if message is None:
                 return
             function, args, kwargs = message
