@@ -198,31 +198,31 @@ def run_rank(smoke: bool, repeats: int, warmup: int, workdir: str) -> dict[str, 
             torch_dist.all_reduce(local, torch_dist.ReduceOp.MAX)
             medians[impl] = statistics.median(local.tolist())
         table.append({"case": name, "bytes_per_rank": nbytes, "seconds": medians})
-    memory = _memory(sizes)
-    return {"sizes": sizes, "cases": table, "memory": memory}
+    return {"sizes": sizes, "cases": table}
 
 
-def _memory(sizes: dict[str, int]) -> dict[str, Any]:
+_MEMORY_LABELS = ("comm cpu", "comm gpu", "mmengine cpu", "mmengine gpu")
+
+
+def memory_rank(label: str, smoke: bool, workdir: str) -> dict[str, int] | None:
+    """Rank 0's peak RSS growth during one collect_results, in a fresh world.
+
+    Each implementation gets its own processes: in a process that already ran other cases
+    the allocator reuses freed memory and the growth reads low.
+    """
     import mmengine.dist as mm
 
+    os.chdir(workdir)
     rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
-    n = sizes["results"]
+    n = _sizes(smoke)["results"]
     results = _small_dicts(n, rank)
-    out: dict[str, Any] = {}
-    for label, fn in (
-        ("comm cpu", lambda: comm.collect_results(results, n * world, device="cpu")),
-        ("comm gpu", lambda: comm.collect_results(results, n * world, device="gpu")),
-        ("mmengine cpu", lambda: mm.collect_results(results, n * world, device="cpu")),
-        ("mmengine gpu", lambda: mm.collect_results(results, n * world, device="gpu")),
-    ):
-        torch_dist.barrier()
-        peak, result = _peak_increase_kib(fn)
-        if rank == 0:
-            returned = len(pickle.dumps(result))
-            out[label] = {"peak_kib": peak, "returned_pickled_kib": returned // 1024}
-        del result
-        gc.collect()
-    return out
+    library, device = label.split()
+    collect = comm.collect_results if library == "comm" else mm.collect_results
+    torch_dist.barrier()
+    peak, result = _peak_increase_kib(lambda: collect(results, n * world, device=device))
+    if rank != 0:
+        return None
+    return {"peak_kib": peak, "returned_pickled_kib": len(pickle.dumps(result)) // 1024}
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -268,6 +268,7 @@ def main() -> int:
     warmup = 1 if args.smoke else 2
     # Import this file as a module so the ranks can find run_rank by name.
     sys.path.insert(0, str(Path(__file__).parent))
+    from bench_collectives import memory_rank
     from bench_collectives import run_rank as rank_fn
 
     env = {"OMP_NUM_THREADS": "1"}
@@ -275,6 +276,12 @@ def main() -> int:
         result = launch(
             rank_fn, args.smoke, repeats, warmup, workdir, nprocs=2, timeout=1800, env=env
         )[0]
+        result["memory"] = {
+            label: launch(memory_rank, label, args.smoke, workdir, nprocs=2, timeout=600, env=env)[
+                0
+            ]
+            for label in _MEMORY_LABELS
+        }
     result["repeats"] = repeats
     result["torch"] = torch.__version__
     out = Path(args.out)

@@ -41,6 +41,9 @@ def _cpu_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup
     return _cpu_groups[key]
 
 
+_MISSING = object()
+
+
 def _interleave(parts: list[list[Any]], size: int) -> list[Any]:
     ordered: list[Any] = []
     for row in itertools.zip_longest(*parts, fillvalue=_MISSING):
@@ -48,9 +51,6 @@ def _interleave(parts: list[list[Any]], size: int) -> list[Any]:
         if len(ordered) >= size:
             break
     return ordered[:size]
-
-
-_MISSING = object()
 
 
 def _check_args(results: Any, size: int, device: str) -> None:
@@ -139,7 +139,7 @@ def _collect_by_messages(
         torch_dist.recv(buffer, global_rank(group, peer.rank), group=group)
         frame: np.ndarray[Any, np.dtype[np.uint8]] = buffer.cpu().numpy()
         parts.append(decode(frame))
-        del buffer, frame
+        del buffer, frame  # free this part's buffer before the next one is allocated
     return _interleave(parts, size)
 
 

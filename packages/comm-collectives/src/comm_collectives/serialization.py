@@ -50,7 +50,7 @@ class _Pickler(pickle.Pickler):
     """Protocol-5 pickler that sends dense tensors out of band, as raw bytes."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor) or type(obj) not in (torch.Tensor, torch.nn.Parameter):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):  # other subclasses: as usual
             return NotImplemented
         if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
             return NotImplemented

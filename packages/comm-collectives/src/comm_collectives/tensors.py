@@ -59,6 +59,16 @@ def _check_root(name: str, root: int, group: torch_dist.ProcessGroup | None, wha
         raise ValueError(message)
 
 
+def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` itself when contiguous on ``device``, else a contiguous copy there.
+
+    The caller copies the result back into ``tensor`` when it is a copy.
+    """
+    if tensor.device == device and tensor.is_contiguous():
+        return tensor
+    return tensor.to(device).contiguous()
+
+
 def reduce_inplace(
     tensor: torch.Tensor, op: str, group: torch_dist.ProcessGroup | None, operation: str
 ) -> None:
@@ -82,11 +92,7 @@ def reduce_inplace(
     elif exact_mean:
         work = tensor.to(device=device, dtype=torch.int64, copy=True)
     else:
-        work = (
-            tensor
-            if tensor.device == device and tensor.is_contiguous()
-            else tensor.to(device).contiguous()
-        )
+        work = _staged(tensor, device)
     if world > 1:
         torch_dist.all_reduce(work, _TORCH_OPS[op], group=group)
     if exact_mean:
@@ -278,7 +284,7 @@ def broadcast(
         hint="broadcast needs a tensor of the same shape and dtype on every rank.",
     )
     device = get_comm_device(group)
-    work = data if data.device == device and data.is_contiguous() else data.to(device).contiguous()
+    work = _staged(data, device)
     torch_dist.broadcast(_as_bytes(work), global_rank(group, src), group=group)
     if work is not data:
         data.copy_(work)

@@ -425,6 +425,22 @@ def _read_mpi(env: Mapping[str, str], port: int | None, need_master: bool) -> La
     return LaunchEnv("mpi", rank, world, local_rank, local_size, addr, master_port, _node_key(""))
 
 
+def current_node_key(environ: Mapping[str, str] | None = None) -> str:
+    """Return the node key of this process as its launcher describes it (host name if none).
+
+    Used by :func:`comm_core.init_local_group` when it is called without arguments after
+    the process group was created by ``torch.distributed`` directly.
+    """
+    env = os.environ if environ is None else environ
+    launcher = infer_launcher(env)
+    if launcher != "none":
+        try:
+            return read_launch_env(launcher, environ=env, need_master=False).node_key
+        except LauncherError:
+            pass
+    return _node_key("")
+
+
 def _node_key(node_index: str) -> str:
     host = socket.gethostname()
     return f"{host}#{node_index}" if node_index else host

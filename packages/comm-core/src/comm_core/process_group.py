@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -12,7 +11,7 @@ import torch
 import torch.distributed as torch_dist
 
 from .errors import AlreadyInitializedError, LauncherError, NotInitializedError
-from .launcher import LAUNCHERS, infer_launcher, read_launch_env
+from .launcher import LAUNCHERS, current_node_key, infer_launcher, read_launch_env
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -33,12 +32,11 @@ class _LocalGroup:
 
     group: ClassVar[torch_dist.ProcessGroup | None] = None
     owner: ClassVar[object | None] = None
-    created: ClassVar[list[torch_dist.ProcessGroup]] = []
 
 
 def default_backend() -> str:
     """Return the backend ``init_dist`` picks when none is given: nccl with CUDA, else gloo."""
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_dist(
@@ -97,7 +95,7 @@ def init_dist(
         os.environ.update(launch.as_environ())
         if _uses_cuda(backend):
             torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
-        if "init_method" not in kwargs and "store" not in kwargs:
+        if need_master:
             kwargs["init_method"] = "env://"
         torch_dist.init_process_group(
             backend=backend,
@@ -135,25 +133,22 @@ def destroy_dist() -> None:
         torch_dist.destroy_process_group()
     _LocalGroup.group = None
     _LocalGroup.owner = None
-    _LocalGroup.created = []
 
 
-def _default_group_or_raise(caller: str) -> object:
+def _require_default_group(caller: str) -> None:
     if not (torch_dist.is_available() and torch_dist.is_initialized()):
         message = (
             f"{caller} needs an initialised default process group and there is none. "
             "Call comm_core.init_dist(launcher) first."
         )
         raise NotInitializedError(message)
-    return torch_dist.distributed_c10d._get_default_group()
 
 
 def _init_local_group_by_node(node_key: str) -> None:
     """Group ranks by node key (host plus launcher node index) and create every group."""
-    _default_group_or_raise("init_local_group")
-    world = torch_dist.get_world_size()
-    keys: list[object] = [None] * world
-    torch_dist.all_gather_object(keys, (node_key, socket.gethostname()))
+    _require_default_group("init_local_group")
+    keys: list[object] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(keys, node_key)
     order: dict[object, list[int]] = {}
     for rank, key in enumerate(keys):
         order.setdefault(key, []).append(rank)
@@ -179,13 +174,12 @@ def init_local_group(node_rank: int | None = None, num_gpus_per_node: int | None
         NotInitializedError: No default process group.
         ValueError: The arguments do not describe the world.
     """
-    _default_group_or_raise("init_local_group")
+    _require_default_group("init_local_group")
     if num_gpus_per_node is None:
         if node_rank is not None:
             message = "init_local_group: node_rank needs num_gpus_per_node as well."
             raise ValueError(message)
-        node = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", ""))
-        _init_local_group_by_node(f"{socket.gethostname()}#{node}")
+        _init_local_group_by_node(current_node_key())
         return
     world = torch_dist.get_world_size()
     if num_gpus_per_node < 1 or world % num_gpus_per_node:
@@ -213,18 +207,15 @@ def _create_local_groups(nodes: Sequence[list[int]]) -> None:
     rank = torch_dist.get_rank()
     world = torch_dist.get_world_size()
     mine: torch_dist.ProcessGroup | None = None
-    created: list[torch_dist.ProcessGroup] = []
     if len(nodes) == 1 and len(nodes[0]) == world:
         mine = torch_dist.group.WORLD
     else:
         for ranks in sorted(nodes, key=min):
             group = torch_dist.new_group(ranks=ranks)
-            created.append(group)
             if rank in ranks:
                 mine = group
     _LocalGroup.group = mine
     _LocalGroup.owner = owner
-    _LocalGroup.created = created
 
 
 def current_local_group() -> torch_dist.ProcessGroup | None:
