@@ -1,12 +1,16 @@
 """Coalesced reductions: all_reduce_dict and all_reduce_params.
 
 Both flatten many tensors into one buffer per dtype (and per size bucket), so a dict of
-128 scalars costs one handshake and one reduction, not 128.
+128 scalars costs one handshake and one reduction, not 128; when the flattened dict fits
+the handshake frame it travels inside it and is reduced locally: one collective in all.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,8 +18,8 @@ import torch.distributed as torch_dist
 
 from comm_core import CollectiveMismatchError, get_world_size
 
-from .protocol import Header, handshake, signature_of
-from .tensors import reduce_inplace, reduce_op_name
+from .protocol import DTYPES, Header, Inline, Peer, handshake, signature_of
+from .tensors import reduce_inplace, reduce_op_name, reduce_rows
 
 __all__ = ["all_reduce_dict", "all_reduce_params"]
 
@@ -62,48 +66,144 @@ def all_reduce_dict(
     if get_world_size(group) == 1:
         return
     keys = sorted(data, key=str)
+    values = [data[k] for k in keys]
     error: BaseException | None = None
-    layout: list[Any] = []
-    for key in keys:
-        value = data[key]
+    for key, value in zip(keys, values):
         if not isinstance(value, torch.Tensor):
             error = TypeError(
                 f"all_reduce_dict: data[{key!r}] is a {type(value).__name__}, not a tensor; "
                 "wrap numbers with torch.tensor(value)."
             )
             break
-        layout.append((key, tuple(value.shape), str(value.dtype)))
+    segments = _segments(keys, values) if error is None else []
     peers = handshake(
-        Header("all_reduce_dict", error=error, reduce_op=name, signature=signature_of(layout)),
+        Header(
+            "all_reduce_dict",
+            error=error,
+            reduce_op=name,
+            signature=_layout_signature(keys, values) if error is None else 0,
+        ),
         group,
         same=("reduce_op",),
+        payload=_dict_payload(segments) if error is None else None,
     )
     if len({p.signature for p in peers}) > 1:
-        _raise_key_mismatch(layout, group)
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for key in keys:
-        by_dtype.setdefault(data[key].dtype, []).append(key)
-    for dtype_keys in by_dtype.values():
-        reduced = _reduce_flat([data[k] for k in dtype_keys], name, group, "all_reduce_dict")
-        for key, value in zip(dtype_keys, reduced):
-            data[key] = value
+        _raise_key_mismatch(keys, values, group)
+    if all(p.payload is not None for p in peers):
+        results = _reduce_inline(segments, peers, name)
+    else:
+        results = [
+            (seg, _reduce_flat(seg.values, name, group, "all_reduce_dict")) for seg in segments
+        ]
+    # every segment is reduced before any value is replaced: an error loses nothing
+    for seg, reduced in results:
+        data.update(zip(seg.keys, reduced))
 
 
-def _raise_key_mismatch(layout: list[Any], group: torch_dist.ProcessGroup | None) -> None:
+@dataclass
+class _Segment:
+    """The keys of one dtype, and where their values lie in the flattened dict."""
+
+    dtype: torch.dtype
+    keys: list[Any] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    offset: int = 0
+    nbytes: int = 0
+
+    @property
+    def scalars(self) -> bool:
+        return all(v.dim() == 0 for v in self.values)
+
+
+def _segments(keys: list[Any], values: list[torch.Tensor]) -> list[_Segment]:
+    by_dtype: dict[torch.dtype, _Segment] = {}
+    for key, value in zip(keys, values):
+        seg = by_dtype.get(value.dtype)
+        if seg is None:
+            seg = by_dtype[value.dtype] = _Segment(value.dtype)
+        seg.keys.append(key)
+        seg.values.append(value)
+    offset = 0
+    for seg in by_dtype.values():
+        seg.offset = offset
+        seg.nbytes = sum(v.numel() for v in seg.values) * seg.values[0].element_size()
+        offset += (seg.nbytes + 15) // 16 * 16  # every segment aligned for any dtype's view
+    return list(by_dtype.values())
+
+
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+
+
+def _layout_signature(keys: list[Any], values: list[torch.Tensor]) -> int:
+    """Digest of the keys, shapes and dtypes, equal on ranks that hold the same layout."""
+    words: list[int] = []
+    for value in values:
+        words.append(_DTYPE_CODES.get(value.dtype, -1))
+        words.append(value.dim())
+        words.extend(value.shape)
+    digest = hashlib.blake2b(repr(keys).encode(), digest_size=8)
+    digest.update(array("q", words).tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def _flat(seg: _Segment) -> torch.Tensor:
+    if seg.scalars:
+        return torch.stack(seg.values)
+    return torch.cat([v.reshape(-1) for v in seg.values])
+
+
+def _unflatten(seg: _Segment, flat: torch.Tensor) -> list[torch.Tensor]:
+    if seg.scalars:
+        return list(flat.unbind(0))
+    sizes = [v.numel() for v in seg.values]
+    return [part.view(v.shape) for part, v in zip(torch.split(flat, sizes), seg.values)]
+
+
+def _dict_payload(segments: list[_Segment]) -> Inline:
+    total = segments[-1].offset + segments[-1].nbytes if segments else 0
+
+    def write(out: torch.Tensor) -> None:
+        with torch.no_grad():
+            for seg in segments:
+                out[seg.offset : seg.offset + seg.nbytes].view(seg.dtype).copy_(_flat(seg))
+
+    return Inline(total, write)
+
+
+def _reduce_inline(
+    segments: list[_Segment], peers: list[Peer], op: str
+) -> list[tuple[_Segment, list[torch.Tensor]]]:
+    """Reduce the flattened dicts gathered inline; every rank computes the same values."""
+    payloads = [p.payload for p in peers if p.payload is not None]
+    results = []
+    for seg in segments:
+        rows = torch.stack(
+            [row[seg.offset : seg.offset + seg.nbytes].view(seg.dtype) for row in payloads]
+        )
+        reduced = reduce_rows(rows, op, "all_reduce_dict")
+        reduced = reduced.to(device=seg.values[0].device, dtype=seg.dtype)
+        results.append((seg, _unflatten(seg, reduced)))
+    return results
+
+
+def _raise_key_mismatch(
+    keys: list[Any], values: list[torch.Tensor], group: torch_dist.ProcessGroup | None
+) -> None:
+    layout = [(k, tuple(v.shape), str(v.dtype)) for k, v in zip(keys, values)]
     gathered: list[Any] = [None] * get_world_size(group)
     torch_dist.all_gather_object(gathered, layout, group=group)
     key_sets = [{k for k, _, _ in g} for g in gathered]
     common = set.intersection(*key_sets)
     rows = []
-    for rank, (entries, keys) in enumerate(zip(gathered, key_sets)):
+    for rank, (entries, rank_keys) in enumerate(zip(gathered, key_sets)):
         differing = [
             f"{k} {list(s)} {d.replace('torch.', '')}" for k, s, d in entries if k in common
         ]
         rows.append(
             {
                 "rank": rank,
-                "keys": len(keys),
-                "only here": ", ".join(sorted(map(str, keys - common))) or "-",
+                "keys": len(rank_keys),
+                "only here": ", ".join(sorted(map(str, rank_keys - common))) or "-",
                 "shared keys (shape dtype)": "; ".join(differing)
                 if len(differing) <= 4
                 else f"{len(differing)} keys",

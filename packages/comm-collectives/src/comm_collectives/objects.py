@@ -1,7 +1,9 @@
 """Object collectives: all_gather_object, gather_object and broadcast_object_list.
 
 Objects are pickled with protocol 5; tensors and numpy arrays inside them travel as raw
-buffers in the same message and come back as views of the receive buffer. A rank that
+buffers in the same message and come back as views of the receive buffer. A small object
+travels inside the handshake frame (one collective in all); a large one goes through a
+reusable buffer (see :mod:`comm_collectives.buffers`). A rank that
 cannot pickle its object makes every rank raise :class:`~comm_core.RemoteRankError`.
 """
 
@@ -15,7 +17,8 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_rank, get_world_size
 
-from .protocol import Header, all_gather_flat, handshake
+from .buffers import empty_bytes
+from .protocol import Header, Inline, Peer, all_gather_flat, handshake
 from .serialization import Encoded, decode, encode
 from .tensors import _check_root, global_rank
 
@@ -29,8 +32,22 @@ def _encode(obj: Any) -> tuple[Encoded | None, BaseException | None]:
         return None, exc
 
 
+def _inline(encoded: Encoded | None) -> Inline | None:
+    """Offer a frame to the handshake: small objects travel inside it."""
+    if encoded is None:
+        return None
+
+    def write(out: torch.Tensor) -> None:
+        if out.device.type == "cpu":
+            encoded.write_into(out.numpy())
+        else:
+            out.copy_(encoded.to_tensor())
+
+    return Inline(encoded.nbytes, write)
+
+
 def _send_tensor(encoded: Encoded | None, width: int, device: torch.device) -> torch.Tensor:
-    send = torch.empty(width, dtype=torch.uint8)
+    send = empty_bytes(width, torch.device("cpu"))
     if encoded is not None:
         encoded.write_into(send.numpy())
     return send.to(device)
@@ -39,6 +56,14 @@ def _send_tensor(encoded: Encoded | None, width: int, device: torch.device) -> t
 def _decode_rows(out: torch.Tensor, counts: list[int], width: int) -> list[Any]:
     frames = out.cpu().numpy()
     return [decode(frames[r * width : r * width + n]) for r, n in enumerate(counts)]
+
+
+def _decode_inline(peers: list[Peer]) -> list[Any] | None:
+    """The objects, when every rank's frame came inline; None otherwise."""
+    if any(p.payload is None for p in peers):
+        return None
+    # each object gets its own copy of its bytes: results must not keep the table alive
+    return [decode(p.payload.cpu().numpy().copy()) for p in peers if p.payload is not None]
 
 
 def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -> list[Any]:
@@ -62,11 +87,16 @@ def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -
         return [data]
     encoded, error = _encode(data)
     size = encoded.nbytes if encoded is not None else 0
-    peers = handshake(Header("all_gather_object", error=error, count=size), group)
+    peers = handshake(
+        Header("all_gather_object", error=error, count=size), group, payload=_inline(encoded)
+    )
+    inline = _decode_inline(peers)
+    if inline is not None:
+        return inline
     counts = [p.count for p in peers]
     width = max(counts)
     device = get_comm_device(group)
-    out = torch.empty(len(counts) * width, dtype=torch.uint8, device=device)
+    out = empty_bytes(len(counts) * width, device)
     all_gather_flat(out, _send_tensor(encoded, width, device), group=group)
     return _decode_rows(out, counts, width)
 
@@ -93,16 +123,22 @@ def gather_object(
     encoded, error = _encode(data)
     size = encoded.nbytes if encoded is not None else 0
     peers = handshake(
-        Header("gather_object", error=error, root=dst, count=size), group, same=("root",)
+        Header("gather_object", error=error, root=dst, count=size),
+        group,
+        same=("root",),
+        payload=_inline(encoded),
     )
+    me = get_rank(group)
+    if all(p.payload is not None for p in peers):
+        return _decode_inline(peers) if me == dst else None
     counts = [p.count for p in peers]
     width = max(counts)
     device = get_comm_device(group)
     send = _send_tensor(encoded, width, device)
-    if get_rank(group) != dst:
+    if me != dst:
         torch_dist.gather(send, None, dst=global_rank(group, dst), group=group)
         return None
-    out = torch.empty(len(counts) * width, dtype=torch.uint8, device=device)
+    out = empty_bytes(len(counts) * width, device)
     torch_dist.gather(
         send, list(out.view(len(counts), width).unbind(0)), dst=global_rank(group, dst), group=group
     )
@@ -133,15 +169,24 @@ def broadcast_object_list(
     encoded, error = _encode(data) if me == src else (None, None)
     size = encoded.nbytes if encoded is not None else 0
     peers = handshake(
-        Header("broadcast_object_list", error=error, root=src, count=size), group, same=("root",)
+        Header("broadcast_object_list", error=error, root=src, count=size),
+        group,
+        same=("root",),
+        payload=_inline(encoded),
     )
+    inline = peers[src].payload
+    if inline is not None:
+        if me != src:
+            data[:] = decode(inline.cpu().numpy().copy())
+        return
     nbytes = peers[src].count
     device = get_comm_device(group)
     if me == src:
-        assert encoded is not None
-        torch_dist.broadcast(encoded.to_tensor().to(device), global_rank(group, src), group=group)
+        torch_dist.broadcast(
+            _send_tensor(encoded, nbytes, device), global_rank(group, src), group=group
+        )
         return
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buffer = empty_bytes(nbytes, device)
     torch_dist.broadcast(buffer, global_rank(group, src), group=group)
     frame: np.ndarray[Any, np.dtype[np.uint8]] = buffer.cpu().numpy()
     data[:] = decode(frame)

@@ -1,14 +1,23 @@
 """The handshake every collective starts with, so that no error on one rank hangs the others.
 
-Before moving data, each collective exchanges one fixed-size header per rank (a single small
-``all_gather_into_tensor``). The header says which operation the rank is in, whether its
-local work (serialising, validating) succeeded, and the shape, dtype, reduce op or root it
-uses. From the headers every rank reaches the same verdict:
+Before moving data, each collective exchanges one fixed-size frame per rank (a single
+``all_gather_into_tensor``). The frame's header says which operation the rank is in, whether
+its local work (serialising, validating) succeeded, and the shape, dtype, reduce op or root
+it uses. From the headers every rank reaches the same verdict:
 
 - a rank failed locally -> every rank raises :class:`~comm_core.RemoteRankError`;
 - ranks disagree (another operation, dtype, shape, root, dict keys) -> every rank raises
   :class:`~comm_core.CollectiveMismatchError` with a per-rank table;
 - otherwise the data moves, sized from the headers (uneven shapes need this anyway).
+
+Small data rides in the same frame: after the header each rank may put an inline payload
+of up to :func:`inline_capacity` bytes, so a small all_reduce, broadcast, all_gather or
+object collective is one collective in all, checks included. The capacity belongs to the
+group and adapts: every rank announces how many bytes it wanted to inline, and after each
+exchange every rank applies the same rule to the same table (grow to the next power of two
+that fits the largest wish, within a budget that shrinks with the world size; halve after
+a run of calls that used a quarter of it or less). Frames therefore stay equal in size on
+every rank without any extra message.
 
 Debug mode (``COMM_DEBUG=1`` or :func:`debug_mode`) adds an exchange of call sites so the
 table also shows where each rank made the call.
@@ -17,12 +26,13 @@ table also shows where each rank made the call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as torch_dist
@@ -38,10 +48,13 @@ from comm_core import (
 
 __all__ = [
     "Header",
+    "Inline",
+    "Peer",
     "all_gather_flat",
     "debug_enabled",
     "debug_mode",
     "handshake",
+    "inline_capacity",
     "signature_of",
 ]
 
@@ -51,8 +64,16 @@ all_gather_flat = (
 )
 
 MAX_DIMS = 16
-_FIELDS = 8  # op, status, dtype, reduce op, root, ndim, count, signature
-_WIDTH = _FIELDS + MAX_DIMS
+_FIELDS = 9  # op, status, dtype, reduce op, root, ndim, count, signature, inline bytes
+_WIDTH = 32  # words: the fields, MAX_DIMS dims, padding to 256 bytes (payloads 64-aligned)
+_HEADER_BYTES = 8 * _WIDTH
+
+# Inline payloads: a group starts at _BASE_INLINE bytes a rank and may grow up to
+# min(_MAX_INLINE, _INLINE_BUDGET // world), so a frame of a large world stays small.
+_BASE_INLINE = 4096
+_MAX_INLINE = 256 * 1024
+_INLINE_BUDGET = 1024 * 1024
+_SHRINK_AFTER = 32
 
 OPERATIONS = (
     "all_reduce",
@@ -65,6 +86,7 @@ OPERATIONS = (
     "all_reduce_dict",
     "all_reduce_params",
     "collect_results",
+    "sync_random_seed",
 )
 REDUCE_OPS = ("sum", "mean", "max", "min", "product")
 DTYPES = (
@@ -131,6 +153,7 @@ class Header:
         shape: Tensor shape, when the collective carries one.
         count: Bytes (objects) or elements (tensors) this rank contributes.
         signature: Digest of structure that must match (dict keys, parameter layout).
+        inline: Bytes this rank wants to send inline (-1: none); set by :func:`handshake`.
     """
 
     operation: str
@@ -141,6 +164,7 @@ class Header:
     shape: tuple[int, ...] | None = None
     count: int = 0
     signature: int = 0
+    inline: int = -1
 
     def encode(self) -> list[int]:
         shape = self.shape or ()
@@ -154,9 +178,80 @@ class Header:
             len(shape) if self.shape is not None else -1,
             self.count,
             self.signature,
+            self.inline,
         ]
         dims = list(shape[:MAX_DIMS]) + [0] * (MAX_DIMS - min(len(shape), MAX_DIMS))
-        return words + dims
+        return words + dims + [0] * (_WIDTH - _FIELDS - MAX_DIMS)
+
+
+@dataclass
+class Inline:
+    """Data a rank offers to send inside its handshake frame.
+
+    Attributes:
+        nbytes: Size of the data in bytes.
+        write: Fills a uint8 tensor of ``nbytes`` bytes (on the communication device)
+            with the data; called only when the data fits the group's inline capacity.
+    """
+
+    nbytes: int
+    write: Callable[[torch.Tensor], None]
+
+    @classmethod
+    def of_tensor(cls, tensor: torch.Tensor) -> Inline:
+        """The bytes of a tensor (any dtype, any device, any layout of strides)."""
+        nbytes = tensor.numel() * tensor.element_size()
+
+        def write(out: torch.Tensor) -> None:
+            if nbytes:
+                out.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+
+        return cls(nbytes, write)
+
+
+@dataclass
+class _InlineState:
+    """The inline capacity of one group; equal on every rank (see the module docstring)."""
+
+    capacity: int
+    maximum: int
+    quiet: int = 0
+
+    def update(self, wanted: int) -> None:
+        if self.capacity < wanted <= self.maximum:
+            self.capacity = min(self.maximum, _next_power_of_two(wanted))
+            self.quiet = 0
+        elif wanted * 4 <= self.capacity and self.capacity > min(_BASE_INLINE, self.maximum):
+            self.quiet += 1
+            if self.quiet >= _SHRINK_AFTER:
+                self.capacity = max(min(_BASE_INLINE, self.maximum), self.capacity // 2)
+                self.quiet = 0
+        else:
+            self.quiet = 0
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+_states: dict[object, _InlineState] = {}
+
+
+def _state(group: torch_dist.ProcessGroup | None) -> _InlineState:
+    key: object = group
+    if group is None or group is torch_dist.group.WORLD:
+        key = torch_dist.distributed_c10d._get_default_group()
+    state = _states.get(key)
+    if state is None:
+        world = get_world_size(group)
+        maximum = max(64, min(_MAX_INLINE, _INLINE_BUDGET // world) // 64 * 64)
+        state = _states[key] = _InlineState(min(_BASE_INLINE, maximum), maximum)
+    return state
+
+
+def inline_capacity(group: torch_dist.ProcessGroup | None = None) -> int:
+    """Bytes a rank can send inside the next handshake frame on ``group``."""
+    return _state(group).capacity
 
 
 @dataclass(frozen=True)
@@ -172,6 +267,8 @@ class Peer:
     shape: tuple[int, ...] | None
     count: int
     signature: int
+    inline: int = -1
+    payload: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def row(self, site: str | None) -> dict[str, object]:
         row: dict[str, object] = {"rank": self.rank, "operation": self.operation}
@@ -189,7 +286,7 @@ class Peer:
 
 
 def _decode(rank: int, words: list[int]) -> Peer:
-    op, status, dtype, reduce_op, root, ndim, count, signature = words[:_FIELDS]
+    op, status, dtype, reduce_op, root, ndim, count, signature, inline = words[:_FIELDS]
     return Peer(
         rank=rank,
         operation=OPERATIONS[op] if 0 <= op < len(OPERATIONS) else f"unknown({op})",
@@ -200,6 +297,7 @@ def _decode(rank: int, words: list[int]) -> Peer:
         shape=tuple(words[_FIELDS : _FIELDS + ndim]) if ndim >= 0 else None,
         count=count,
         signature=signature,
+        inline=inline,
     )
 
 
@@ -221,6 +319,7 @@ def handshake(
     *,
     same: Sequence[str] = (),
     hint: str = "",
+    payload: Inline | None = None,
 ) -> list[Peer]:
     """Exchange headers and raise the same error on every rank when something is wrong.
 
@@ -230,9 +329,12 @@ def handshake(
         same: Fields that must be equal on every rank besides ``operation`` (any of
             ``"dtype"``, ``"reduce_op"``, ``"root"``, ``"shape"``, ``"signature"``).
         hint: How to fix a mismatch, appended to the error.
+        payload: Data to send inside the frame when it fits :func:`inline_capacity`. Its
+            size is announced either way, so the group's capacity can grow to fit it.
 
     Returns:
-        Every rank's decoded header, index = rank in ``group``.
+        Every rank's decoded header, index = rank in ``group``. ``Peer.payload`` holds the
+        rank's inline bytes (a uint8 view on the communication device) or None.
 
     Raises:
         RemoteRankError: A rank's local work failed (raised on every rank).
@@ -243,13 +345,36 @@ def handshake(
         gathered: list[object] = [None] * get_world_size(group)
         torch_dist.all_gather_object(gathered, _call_site(), group=group)
         sites = [str(s) for s in gathered]
+    state = _state(group)
+    capacity = state.capacity
+    world = get_world_size(group)
     device = get_comm_device(group)
-    local = torch.tensor(header.encode(), dtype=torch.int64, device=device)
-    table = torch.empty(get_world_size(group) * _WIDTH, dtype=torch.int64, device=device)
-    all_gather_flat(table, local, group=group)
-    peers = [_decode(r, row) for r, row in enumerate(table.view(-1, _WIDTH).cpu().tolist())]
+    row = _HEADER_BYTES + capacity
+    frame = torch.empty(row, dtype=torch.uint8, device=device)
+    if payload is not None and header.error is None:
+        header.inline = payload.nbytes
+        if payload.nbytes <= capacity:
+            try:
+                payload.write(frame[_HEADER_BYTES : _HEADER_BYTES + payload.nbytes])
+            except Exception as exc:
+                header.error, header.inline = exc, -1
+    words = torch.tensor(header.encode(), dtype=torch.int64)
+    frame[:_HEADER_BYTES].copy_(words.view(torch.uint8))
+    table = torch.empty(world * row, dtype=torch.uint8, device=device)
+    all_gather_flat(table, frame, group=group)
+    rows = table.view(world, row)
+    headers = rows[:, :_HEADER_BYTES].cpu().contiguous().view(torch.int64).tolist()
+    peers = []
+    for rank, rank_words in enumerate(headers):
+        peer = _decode(rank, rank_words)
+        if 0 <= peer.inline <= capacity:
+            inline = rows[rank, _HEADER_BYTES : _HEADER_BYTES + peer.inline]
+            peer = dataclasses.replace(peer, payload=inline)
+        peers.append(peer)
+    # every rank applies the same rule to the same table: the capacities stay equal
+    state.update(max(p.inline for p in peers))
 
-    def rows() -> list[dict[str, object]]:
+    def table_rows() -> list[dict[str, object]]:
         return [p.row(sites[p.rank] if sites else None) for p in peers]
 
     if len({p.operation for p in peers}) > 1:
@@ -257,7 +382,7 @@ def handshake(
         raise CollectiveMismatchError(
             header.operation,
             problem,
-            rows(),
+            table_rows(),
             "every rank must make the same sequence of collective calls; run with "
             "COMM_DEBUG=1 to see each rank's call site.",
         )
@@ -268,7 +393,7 @@ def handshake(
         if len(values) > 1:
             label = "dict keys / tensor layout" if name == "signature" else name
             problem = f"the ranks passed different {label}."
-            raise CollectiveMismatchError(header.operation, problem, rows(), hint)
+            raise CollectiveMismatchError(header.operation, problem, table_rows(), hint)
     return peers
 
 

@@ -3,6 +3,8 @@
 Each moves the data to the communication device of the group and back, keeps the caller's
 dtype and device, works in a plain process (a world of one), and starts with the handshake
 of :mod:`comm_collectives.protocol`, so a mismatch raises on every rank instead of hanging.
+Data that fits the handshake frame travels inside it: one collective in all, and a small
+reduction is then done locally in rank order, so every rank gets bit-identical results.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_rank, get_world_size
 
-from .protocol import REDUCE_OPS, Header, all_gather_flat, handshake
+from .buffers import empty_bytes
+from .protocol import REDUCE_OPS, Header, Inline, Peer, all_gather_flat, handshake
 
 __all__ = [
     "all_gather",
@@ -69,6 +72,58 @@ def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device).contiguous()
 
 
+def _check_bool_op(dtype: torch.dtype, op: str, operation: str) -> None:
+    if dtype == torch.bool and op in ("sum", "mean"):
+        message = (
+            f"{operation}: op={op!r} is not defined for a bool tensor; use 'max' (any) or "
+            "'min' (all), or convert the tensor to an integer dtype."
+        )
+        raise TypeError(message)
+
+
+def _exact_mean(sums: torch.Tensor, world: int, dtype: torch.dtype, operation: str) -> torch.Tensor:
+    """``sums / world`` for integer sums (int64), or a ValueError when one is not exact."""
+    quotient = torch.div(sums, world, rounding_mode="floor")
+    inexact = quotient * world != sums
+    if bool(inexact.any()):
+        first = int(inexact.reshape(-1).nonzero()[0])
+        total = int(sums.reshape(-1)[first])
+        message = (
+            f"{operation}(op='mean') on a {dtype} tensor: the mean is not an integer "
+            f"for {int(inexact.sum())} of {sums.numel()} elements (element {first}: sum "
+            f"{total} over {world} ranks = {total / world}). The tensor is left unchanged; "
+            "convert it to a floating dtype first, e.g. data = data.float()."
+        )
+        raise ValueError(message)
+    return quotient
+
+
+def reduce_rows(rows: torch.Tensor, op: str, operation: str) -> torch.Tensor:
+    """Reduce ``rows`` (one row per rank, in rank order) over its first dimension.
+
+    The local counterpart of :func:`reduce_inplace` for data gathered inline: the same
+    ops, the same exact integer mean, the same errors.
+    """
+    world, dtype = rows.shape[0], rows.dtype
+    _check_bool_op(dtype, op, operation)
+    work = rows.to(torch.uint8) if dtype == torch.bool else rows
+    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+        return _exact_mean(work.sum(0, dtype=torch.int64), world, dtype, operation)
+    if op in ("sum", "mean"):
+        result = work.sum(0, dtype=work.dtype)
+        return result.div_(world) if op == "mean" else result
+    if op == "product":
+        return work.prod(0, dtype=work.dtype)
+    return work.amax(0) if op == "max" else work.amin(0)
+
+
+def _inline_rows(peers: list[Peer], dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Each rank's inline data as a flat tensor of ``dtype``; None unless all came inline."""
+    if any(p.payload is None for p in peers):
+        return None
+    return [p.payload.view(dtype) for p in peers if p.payload is not None]
+
+
 def reduce_inplace(
     tensor: torch.Tensor, op: str, group: torch_dist.ProcessGroup | None, operation: str
 ) -> None:
@@ -81,13 +136,8 @@ def reduce_inplace(
     world = get_world_size(group)
     device = get_comm_device(group)
     exact_mean = op == "mean" and not (tensor.is_floating_point() or tensor.is_complex())
+    _check_bool_op(tensor.dtype, op, operation)
     if tensor.dtype == torch.bool:
-        if op in ("sum", "mean"):
-            message = (
-                f"{operation}: op={op!r} is not defined for a bool tensor; use 'max' (any) or "
-                "'min' (all), or convert the tensor to an integer dtype."
-            )
-            raise TypeError(message)
         work = tensor.to(device=device, dtype=torch.uint8)
     elif exact_mean:
         work = tensor.to(device=device, dtype=torch.int64, copy=True)
@@ -96,19 +146,7 @@ def reduce_inplace(
     if world > 1:
         torch_dist.all_reduce(work, _TORCH_OPS[op], group=group)
     if exact_mean:
-        quotient = torch.div(work, world, rounding_mode="floor")
-        inexact = quotient * world != work
-        if bool(inexact.any()):
-            first = int(inexact.reshape(-1).nonzero()[0])
-            total = int(work.reshape(-1)[first])
-            message = (
-                f"{operation}(op='mean') on a {tensor.dtype} tensor: the mean is not an integer "
-                f"for {int(inexact.sum())} of {work.numel()} elements (element {first}: sum "
-                f"{total} over {world} ranks = {total / world}). The tensor is left unchanged; "
-                "convert it to a floating dtype first, e.g. data = data.float()."
-            )
-            raise ValueError(message)
-        work = quotient
+        work = _exact_mean(work, world, tensor.dtype, operation)
     elif op == "mean":
         work.div_(world)
     if work is not tensor:
@@ -138,25 +176,37 @@ def all_reduce(
     name = reduce_op_name(op)
     if get_world_size(group) == 1:
         return
-    handshake(
+    peers = handshake(
         Header("all_reduce", dtype=data.dtype, reduce_op=name, shape=tuple(data.shape)),
         group,
         same=("dtype", "reduce_op", "shape"),
         hint="all_reduce needs the same shape, dtype and op on every rank.",
+        payload=Inline.of_tensor(data),
     )
-    reduce_inplace(data, name, group, "all_reduce")
+    rows = _inline_rows(peers, data.dtype)
+    if rows is None:
+        reduce_inplace(data, name, group, "all_reduce")
+    else:
+        data.copy_(reduce_rows(torch.stack(rows), name, "all_reduce").view(data.shape))
 
 
 def _gather_layout(
     operation: str, data: torch.Tensor, group: torch_dist.ProcessGroup | None, root: int = -1
-) -> list[tuple[int, ...]]:
+) -> tuple[list[tuple[int, ...]], list[torch.Tensor] | None]:
+    """Every rank's shape, and every rank's tensor when all came inline (else None)."""
     peers = handshake(
         Header(operation, dtype=data.dtype, root=root, shape=tuple(data.shape), count=data.numel()),
         group,
         same=("dtype", "root"),
         hint=f"{operation} accepts different shapes but needs one dtype and one root.",
+        payload=Inline.of_tensor(data),
     )
-    return [p.shape or () for p in peers]
+    shapes = [p.shape or () for p in peers]
+    rows = _inline_rows(peers, data.dtype)
+    if rows is None:
+        return shapes, None
+    # copies: a result must not keep the whole handshake table alive
+    return shapes, [r.view(s).to(data.device, copy=True) for r, s in zip(rows, shapes)]
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -170,8 +220,9 @@ def _padded_send(data: torch.Tensor, device: torch.device, width: int) -> torch.
     nbytes = width * data.element_size()
     if flat.numel() == nbytes:
         return flat
-    send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    send = empty_bytes(nbytes, device)
     send[: flat.numel()] = flat
+    send[flat.numel() :] = 0
     return send
 
 
@@ -205,13 +256,15 @@ def all_gather(
     """
     if get_world_size(group) == 1:
         return [data]
-    shapes = _gather_layout("all_gather", data, group)
+    shapes, inline = _gather_layout("all_gather", data, group)
+    if inline is not None:
+        return inline
     device = get_comm_device(group)
     width = max(_numel(s) for s in shapes)
     if width == 0:
         return [torch.empty(s, dtype=data.dtype, device=data.device) for s in shapes]
     send = _padded_send(data, device, width)
-    out = torch.empty(len(shapes) * send.numel(), dtype=torch.uint8, device=device)
+    out = empty_bytes(len(shapes) * send.numel(), device)
     all_gather_flat(out, send, group=group)
     return _split(out, shapes, data.dtype, data.device)
 
@@ -241,10 +294,12 @@ def gather(
     _check_root("gather", dst, group, "dst")
     if get_world_size(group) == 1:
         return [data]
-    shapes = _gather_layout("gather", data, group, root=dst)
+    shapes, inline = _gather_layout("gather", data, group, root=dst)
+    me = get_rank(group)
+    if inline is not None:
+        return inline if me == dst else []
     device = get_comm_device(group)
     width = max(_numel(s) for s in shapes)
-    me = get_rank(group)
     if width == 0:
         return (
             [torch.empty(s, dtype=data.dtype, device=data.device) for s in shapes]
@@ -253,7 +308,7 @@ def gather(
         )
     send = _padded_send(data, device, width)
     if me == dst:
-        out = torch.empty(len(shapes) * send.numel(), dtype=torch.uint8, device=device)
+        out = empty_bytes(len(shapes) * send.numel(), device)
         rows = list(out.view(len(shapes), -1).unbind(0))
         torch_dist.gather(send, rows, dst=global_rank(group, dst), group=group)
         return _split(out, shapes, data.dtype, data.device)
@@ -277,12 +332,19 @@ def broadcast(
     _check_root("broadcast", src, group, "src")
     if get_world_size(group) == 1:
         return
-    handshake(
+    me = get_rank(group)
+    peers = handshake(
         Header("broadcast", dtype=data.dtype, root=src, shape=tuple(data.shape)),
         group,
         same=("dtype", "root", "shape"),
         hint="broadcast needs a tensor of the same shape and dtype on every rank.",
+        payload=Inline.of_tensor(data) if me == src else None,
     )
+    inline = peers[src].payload
+    if inline is not None:
+        if me != src:
+            data.copy_(inline.view(data.dtype).view(data.shape))
+        return
     device = get_comm_device(group)
     work = _staged(data, device)
     torch_dist.broadcast(_as_bytes(work), global_rank(group, src), group=group)
@@ -302,6 +364,12 @@ def sync_random_seed(group: torch_dist.ProcessGroup | None = None) -> int:
     seed = secrets.randbelow(2**31)
     if get_world_size(group) == 1:
         return seed
-    tensor = torch.tensor([seed], dtype=torch.int64, device=get_comm_device(group))
-    torch_dist.broadcast(tensor, global_rank(group, 0), group=group)
-    return int(tensor.item())
+    mine = torch.tensor([seed], dtype=torch.int64)
+    peers = handshake(
+        Header("sync_random_seed"),
+        group,
+        payload=Inline.of_tensor(mine) if get_rank(group) == 0 else None,
+    )
+    drawn = peers[0].payload
+    assert drawn is not None  # 8 bytes always fit the smallest inline capacity
+    return int(drawn.view(torch.int64)[0])
