@@ -13,6 +13,7 @@ Writes DIR/results.md (a markdown table) and DIR/results.json.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -166,14 +167,28 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def _peak_increase_kib(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """Peak RSS growth of this process during ``fn`` (Linux: VmHWM reset by clear_refs)."""
+def _trim() -> None:
+    """Collect garbage and hand free heap pages back to the OS, so RSS shows what is live."""
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS then over-counts what is live
+        pass
+
+
+def _memory_kib(fn: Callable[[], Any]) -> tuple[int, int, Any]:
+    """(peak RSS growth during ``fn``, RSS growth still held with its result alive, result).
+
+    Linux: VmHWM is reset through /proc/self/clear_refs before the call.
+    """
+    _trim()
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")
     before = _rss_kib("VmRSS")
     result = fn()
-    return _rss_kib("VmHWM") - before, result
+    peak = _rss_kib("VmHWM") - before
+    _trim()
+    return peak, _rss_kib("VmRSS") - before, result
 
 
 def run_rank(smoke: bool, repeats: int, warmup: int, workdir: str) -> dict[str, Any]:
@@ -205,10 +220,14 @@ _MEMORY_LABELS = ("comm cpu", "comm gpu", "mmengine cpu", "mmengine gpu")
 
 
 def memory_rank(label: str, smoke: bool, workdir: str) -> dict[str, int] | None:
-    """Rank 0's peak RSS growth during one collect_results, in a fresh world.
+    """Rank 0's memory in one collect_results, in a fresh world.
 
-    Each implementation gets its own processes: in a process that already ran other cases
-    the allocator reuses freed memory and the growth reads low.
+    Peak RSS growth during the call, and the growth still held once it returned (the
+    result's own objects: the returned dicts outweigh their pickle several times, and no
+    implementation can return them in less). Their difference is what the call needed on
+    top of its result: transfer buffers, pickled parts, copies. Each implementation gets
+    its own processes: in a process that already ran other cases the allocator reuses
+    freed memory and the growth reads low.
     """
     import mmengine.dist as mm
 
@@ -219,10 +238,14 @@ def memory_rank(label: str, smoke: bool, workdir: str) -> dict[str, int] | None:
     library, device = label.split()
     collect = comm.collect_results if library == "comm" else mm.collect_results
     torch_dist.barrier()
-    peak, result = _peak_increase_kib(lambda: collect(results, n * world, device=device))
+    peak, held, result = _memory_kib(lambda: collect(results, n * world, device=device))
     if rank != 0:
         return None
-    return {"peak_kib": peak, "returned_pickled_kib": len(pickle.dumps(result)) // 1024}
+    return {
+        "peak_kib": peak,
+        "held_kib": held,
+        "returned_pickled_kib": len(pickle.dumps(result)) // 1024,
+    }
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -246,14 +269,20 @@ def _markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| rank 0 in collect_results | peak RSS growth | pickled size returned | ratio |",
-        "|---|---:|---:|---:|",
+        "| rank 0 in collect_results | peak RSS growth | held by the result | "
+        "peak beyond the result | pickled size returned | beyond / pickled |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
+
+    def mib(kib: float) -> str:
+        return f"{kib / 1024:.1f} MiB"
+
     for label, m in result["memory"].items():
-        ratio = m["peak_kib"] / max(m["returned_pickled_kib"], 1)
+        beyond = max(m["peak_kib"] - m["held_kib"], 0)
+        ratio = beyond / max(m["returned_pickled_kib"], 1)
         lines.append(
-            f"| {label} | {m['peak_kib'] / 1024:.1f} MiB | "
-            f"{m['returned_pickled_kib'] / 1024:.1f} MiB | {ratio:.2f}x |"
+            f"| {label} | {mib(m['peak_kib'])} | {mib(m['held_kib'])} | {mib(beyond)} | "
+            f"{mib(m['returned_pickled_kib'])} | {ratio:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 

@@ -166,11 +166,18 @@ def reduce_dict_cases() -> dict[str, Any]:
     keys = {"a": torch.ones(1), f"only_{rank}": torch.ones(1)}
     key_error = _caught(dist.all_reduce_dict, keys)
     not_tensor = _caught(dist.all_reduce_dict, {"a": 1.0 if rank == 0 else torch.ones(1)})
+    scalars = {f"m{i}": torch.tensor(float(i * (rank + 1))) for i in range(5)}
+    dist.all_reduce_dict(scalars, op="max")
+    # the int mean is 1 / W: not exact, so nothing is replaced, not even the float key
+    atomic = {"f": torch.tensor([1.0 * rank]), "i": torch.tensor([1 if rank == 0 else 0])}
+    atomic_error = _caught(dist.all_reduce_dict, atomic, op="mean")
     return {
         "summed": summed,
         "mean": {k: v.tolist() for k, v in mean.items()},
         "key_error": key_error,
         "not_tensor": not_tensor,
+        "scalars": {k: (v.item(), tuple(v.shape)) for k, v in scalars.items()},
+        "atomic": (atomic_error[0], {k: v.tolist() for k, v in atomic.items()}),
     }
 
 
@@ -217,6 +224,12 @@ def collect_cases(device: str, root: str | None) -> dict[str, Any]:
     }
 
 
+def collect_not_sampler_shaped() -> list[Any] | None:
+    """Parts whose lengths a sampler would not give: rank r holds r + 1 items."""
+    rank = dist.get_rank()
+    return dist.collect_results([f"{rank}.{i}" for i in range(rank + 1)], 100)
+
+
 def collect_error_case() -> tuple[str, str]:
     rank = dist.get_rank()
     results: list[Any] = [Unpicklable()] if rank == 1 else [rank]
@@ -261,3 +274,11 @@ def mismatch_rows() -> list[dict[str, object]]:
     except CollectiveMismatchError as exc:
         return list(exc.rows)
     return []
+
+
+def without_inline(case: str, *args: Any) -> Any:
+    """Run ``case`` with inline data switched off: every collective takes its long path."""
+    from comm_collectives.protocol import inline_limit
+
+    with inline_limit(0):
+        return globals()[case](*args)

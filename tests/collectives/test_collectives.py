@@ -10,11 +10,21 @@ import pytest
 from . import cases
 
 WORLDS = [2, 3]
+# "inline": small data rides in the handshake frame (one collective); "long": inline data
+# switched off, so the same cases take the separate data transfer.
+PATHS = ["inline", "long"]
 
 
+def _run(run_distributed: Any, path: str, case: Any, *args: Any, world_size: int) -> Any:
+    if path == "inline":
+        return run_distributed(case, *args, world_size=world_size)
+    return run_distributed(cases.without_inline, case.__name__, *args, world_size=world_size)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_all_reduce_every_op(run_distributed: Any, world: int) -> None:
-    results = run_distributed(cases.all_reduce_ops, world_size=world)
+def test_all_reduce_every_op(run_distributed: Any, path: str, world: int) -> None:
+    results = _run(run_distributed, path, cases.all_reduce_ops, world_size=world)
     ranks = range(world)
     s1 = sum(r + 1 for r in ranks)
     p1 = 1
@@ -46,9 +56,10 @@ def test_all_reduce_every_op(run_distributed: Any, world: int) -> None:
             assert r["group"] == 30.0
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_all_gather_even_uneven_and_scalar(run_distributed: Any, world: int) -> None:
-    for r in run_distributed(cases.all_gather_shapes, world_size=world):
+def test_all_gather_even_uneven_and_scalar(run_distributed: Any, path: str, world: int) -> None:
+    for r in _run(run_distributed, path, cases.all_gather_shapes, world_size=world):
         assert r["even"] == [[[float(k)] * 2] * 2 for k in range(world)]
         expected = [
             ((k, 3), [list(range(3 * i, 3 * i + 3)) for i in range(k)], "torch.int16")
@@ -65,10 +76,11 @@ def test_all_gather_even_uneven_and_scalar(run_distributed: Any, world: int) -> 
         assert "float32" in message
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_gather_uneven_to_every_root(run_distributed: Any, world: int) -> None:
+def test_gather_uneven_to_every_root(run_distributed: Any, path: str, world: int) -> None:
     for dst in range(world):
-        results = run_distributed(cases.gather_to, dst, world_size=world)
+        results = _run(run_distributed, path, cases.gather_to, dst, world_size=world)
         for rank, r in enumerate(results):
             if rank == dst:
                 assert r["parts"] == [[10.0 * k + i for i in range(k + 1)] for k in range(world)]
@@ -77,9 +89,10 @@ def test_gather_uneven_to_every_root(run_distributed: Any, world: int) -> None:
                 assert r["parts"] == []
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_broadcast_and_its_errors(run_distributed: Any, world: int) -> None:
-    for r in run_distributed(cases.broadcast_cases, world_size=world):
+def test_broadcast_and_its_errors(run_distributed: Any, path: str, world: int) -> None:
+    for r in _run(run_distributed, path, cases.broadcast_cases, world_size=world):
         assert r["value"] == [float(world - 1)] * 3
         name, message = r["shape_mismatch"]
         assert name == "CollectiveMismatchError"
@@ -88,7 +101,10 @@ def test_broadcast_and_its_errors(run_distributed: Any, world: int) -> None:
         assert f"src={world} is not a rank of the group (0..{world - 1})" in r["bad_src"][1]
 
 
-def test_sync_random_seed_is_shared_and_leaves_global_rngs_alone(run_distributed: Any) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_sync_random_seed_is_shared_and_leaves_global_rngs_alone(
+    run_distributed: Any, path: str
+) -> None:
     import random
 
     import numpy as np
@@ -98,7 +114,7 @@ def test_sync_random_seed_is_shared_and_leaves_global_rngs_alone(run_distributed
     torch.manual_seed(1234)
     random.seed(1234)
     expected = (float(np.random.rand()), float(torch.rand(1)), random.random())
-    results = run_distributed(cases.seed_cases, world_size=3)
+    results = _run(run_distributed, path, cases.seed_cases, world_size=3)
     assert results[0]["seeds"] == results[1]["seeds"] == results[2]["seeds"]
     assert len(set(results[0]["seeds"])) == 3  # fresh each call
     assert all(0 <= s < 2**31 for s in results[0]["seeds"])
@@ -120,11 +136,12 @@ def _describe_expected(k: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_object_collectives_carry_tensors_arrays_and_errors(
-    run_distributed: Any, world: int
+    run_distributed: Any, path: str, world: int
 ) -> None:
-    results = run_distributed(cases.object_cases, world_size=world)
+    results = _run(run_distributed, path, cases.object_cases, world_size=world)
     expected = [_describe_expected(k) for k in range(world)]
     for rank, r in enumerate(results):
         assert r["gathered"] == expected
@@ -140,10 +157,14 @@ def test_object_collectives_carry_tensors_arrays_and_errors(
         assert r["after_errors"] == list(range(world))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_all_reduce_dict_sums_means_and_key_check(run_distributed: Any, world: int) -> None:
+def test_all_reduce_dict_sums_means_and_key_check(
+    run_distributed: Any, path: str, world: int
+) -> None:
     s = sum(range(1, world + 1))
-    for r in run_distributed(cases.reduce_dict_cases, world_size=world):
+    results = _run(run_distributed, path, cases.reduce_dict_cases, world_size=world)
+    for rank, r in enumerate(results):
         assert r["summed"] == {
             "loss": (float(s), "torch.float32", ()),
             "count": ([s, 2 * world], "torch.int64", (2,)),
@@ -158,6 +179,8 @@ def test_all_reduce_dict_sums_means_and_key_check(run_distributed: Any, world: i
         name, message = r["not_tensor"]
         assert name == "RemoteRankError"
         assert "data['a'] is a float, not a tensor" in message
+        assert r["scalars"] == {f"m{i}": (float(i * world), ()) for i in range(5)}
+        assert r["atomic"] == ("ValueError", {"f": [1.0 * rank], "i": [1 if rank == 0 else 0]})
 
 
 @pytest.mark.parametrize(("coalesce", "bucket"), [(True, -1), (True, 0.00001), (False, -1)])
@@ -196,14 +219,22 @@ def test_collect_results_order_none_and_truncation(
         assert r["user_dir_kept"] is True
 
 
+def test_collect_results_parts_a_sampler_would_not_give(run_distributed: Any) -> None:
+    # rank r holds r + 1 items: rows of the interleave run out one rank at a time
+    results = run_distributed(cases.collect_not_sampler_shaped, world_size=3)
+    assert results[0] == ["0.0", "1.0", "2.0", "1.1", "2.1", "2.2"]
+    assert results[1:] == [None, None]
+
+
 def test_collect_results_error_on_one_rank_raises_everywhere(run_distributed: Any) -> None:
     for name, message in run_distributed(cases.collect_error_case, world_size=2):
         assert name == "RemoteRankError"
         assert "collect_results failed on rank(s) 1" in message
 
 
-def test_mismatched_calls_raise_on_every_rank(run_distributed: Any) -> None:
-    for r in run_distributed(cases.mismatch_cases, world_size=2):
+@pytest.mark.parametrize("path", PATHS)
+def test_mismatched_calls_raise_on_every_rank(run_distributed: Any, path: str) -> None:
+    for r in _run(run_distributed, path, cases.mismatch_cases, world_size=2):
         name, message = r["different_ops"]
         assert name == "CollectiveMismatchError"
         assert "different collectives" in message

@@ -12,6 +12,7 @@ from comm_core import *  # noqa: F403 - the whole comm-core API is part of this 
 from comm_core import __all__ as _core_all
 
 from .__about__ import __version__
+from .buffers import empty_cache
 from .coalesced import all_reduce_dict, all_reduce_params
 from .objects import all_gather_object, broadcast_object_list, gather_object
 from .protocol import debug_enabled, debug_mode
@@ -33,6 +34,7 @@ __all__ = [
     "collect_results_gpu",
     "debug_enabled",
     "debug_mode",
+    "empty_cache",
     "gather",
     "gather_object",
     "sync_random_seed",

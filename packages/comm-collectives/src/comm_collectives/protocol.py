@@ -55,6 +55,7 @@ __all__ = [
     "debug_mode",
     "handshake",
     "inline_capacity",
+    "inline_limit",
     "signature_of",
 ]
 
@@ -252,6 +253,24 @@ def _state(group: torch_dist.ProcessGroup | None) -> _InlineState:
 def inline_capacity(group: torch_dist.ProcessGroup | None = None) -> int:
     """Bytes a rank can send inside the next handshake frame on ``group``."""
     return _state(group).capacity
+
+
+@contextlib.contextmanager
+def inline_limit(maximum: int, group: torch_dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Cap the inline capacity of ``group`` inside the block (0: no data travels inline).
+
+    The tests use it to run every collective's long path as well. Every rank of the group
+    must enter and leave the block at the same point of its program, or the frames of the
+    ranks differ in size.
+    """
+    state = _state(group)
+    saved = (state.capacity, state.maximum, state.quiet)
+    state.maximum = max(0, maximum)
+    state.capacity = min(state.capacity, state.maximum)
+    try:
+        yield
+    finally:
+        state.capacity, state.maximum, state.quiet = saved
 
 
 @dataclass(frozen=True)

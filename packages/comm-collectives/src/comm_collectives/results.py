@@ -45,7 +45,18 @@ _MISSING = object()
 
 
 def _interleave(parts: list[list[Any]], size: int) -> list[Any]:
-    ordered: list[Any] = []
+    """Merge the parts in sampler order: item ``i`` of rank ``r`` goes to ``r + i * W``."""
+    world = len(parts)
+    lengths = [len(part) for part in parts]
+    if lengths[0] - lengths[-1] <= 1 and all(a >= b for a, b in itertools.pairwise(lengths)):
+        # the shape a sampler gives (the first ranks hold one more item, or all the same):
+        # part r fills exactly the slots r, r + W, ..., so slice assignment places it in C
+        ordered: list[Any] = [None] * sum(lengths)
+        for rank, part in enumerate(parts):
+            ordered[rank::world] = part
+        del ordered[size:]
+        return ordered
+    ordered = []
     for row in itertools.zip_longest(*parts, fillvalue=_MISSING):
         ordered.extend(item for item in row if item is not _MISSING)
         if len(ordered) >= size:

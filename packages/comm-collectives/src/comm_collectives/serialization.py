@@ -12,9 +12,11 @@ and tensors as views of the receive tensor, without a copy.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -113,6 +115,19 @@ def encode(obj: Any) -> Encoded:
     return Encoded(obj)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: unpickling creates many containers and none
+    of them are garbage yet, so collections triggered meanwhile are pure cost (~30%)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def decode(frame: np.ndarray[Any, np.dtype[np.uint8]]) -> Any:
     """Rebuild the object of a frame; arrays and tensors become views of ``frame``."""
     n_buffers = int(frame[:8].view(np.int64)[0])
@@ -122,4 +137,5 @@ def decode(frame: np.ndarray[Any, np.dtype[np.uint8]]) -> Any:
     for length in lengths:
         pieces.append(frame[offset : offset + length].data)
         offset += _aligned(length)
-    return pickle.loads(pieces[0], buffers=pieces[1:])
+    with _gc_paused():
+        return pickle.loads(pieces[0], buffers=pieces[1:])

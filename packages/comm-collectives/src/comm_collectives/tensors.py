@@ -371,5 +371,7 @@ def sync_random_seed(group: torch_dist.ProcessGroup | None = None) -> int:
         payload=Inline.of_tensor(mine) if get_rank(group) == 0 else None,
     )
     drawn = peers[0].payload
-    assert drawn is not None  # 8 bytes always fit the smallest inline capacity
+    if drawn is None:  # inline data switched off (protocol.inline_limit(0))
+        drawn = mine.to(get_comm_device(group))
+        torch_dist.broadcast(drawn, global_rank(group, 0), group=group)
     return int(drawn.view(torch.int64)[0])

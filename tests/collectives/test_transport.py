@@ -1,0 +1,107 @@
+"""The transport under the collectives: inline data in the handshake frame, reused buffers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from comm_collectives import buffers
+
+from . import transport_cases
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inline_capacity_adapts_the_same_on_every_rank(run_distributed: Any, world: int) -> None:
+    results = run_distributed(transport_cases.capacity_adapts, world_size=world)
+    # budget: min(256 KiB, 1 MiB // world), so an 800 KB object never rides inline
+    assert results[0]["caps"] == {
+        "start": 4096,
+        "after 10 KB": 16384,
+        "again": 16384,
+        "after 32 small": 8192,
+        "after 800 KB": 8192,
+        "after mixed": 32768,
+    }
+    for r in results:
+        assert r["caps"] == results[0]["caps"]
+        assert r["first_second"] == ([10_000] * world, list(range(world)), True)
+        assert r["huge"] == [((100_000,), float(k), float(k)) for k in range(world)]
+        assert r["mixed"] == [(b"s", 1)] + [(b"L", 20_000)] * (world - 1)
+
+
+def test_results_stay_intact_while_buffers_are_reused(run_distributed: Any) -> None:
+    n = 1 << 19
+    for r in run_distributed(transport_cases.buffers_reused_safely, world_size=2):
+        assert r["first"] == [(0.0, 0.0, n), (1.0, 1.0, n)]
+        assert r["kept_tensor"] == [(10.0, 10.0, n), (11.0, 11.0, n + 1)]
+        assert r["broadcast"] == [(7.0, 7.0, n)]
+        assert r["cached_after_release"] is True
+        assert r["again"] == [(0.0, 0.0, n), (-1.0, -1.0, n)]
+        assert r["cached_after_empty"] == 0
+
+
+def test_a_buffer_returns_to_the_cache_only_when_its_last_view_is_gone() -> None:
+    buffers.empty_cache()
+    cpu = torch.device("cpu")
+    t = buffers.empty_bytes(3 << 20, cpu)
+    t.fill_(5)
+    array_view = t.numpy()[10:20]
+    tensor_view = t.view(torch.float32)[3:]
+    del t
+    assert buffers._pool.cached_bytes() == 0
+    del array_view
+    assert buffers._pool.cached_bytes() == 0
+    assert int(tensor_view.view(torch.uint8)[0]) == 5
+    del tensor_view
+    assert buffers._pool.cached_bytes() == 3 << 20
+    reused = buffers.empty_bytes(2 << 20, cpu)  # the cached 3 MiB buffer serves it
+    assert buffers._pool.cached_bytes() == 0
+    assert int(reused[0]) == 5  # same memory, not a fresh page
+    del reused
+    buffers.empty_cache()
+    assert buffers._pool.cached_bytes() == 0
+
+
+def test_small_and_device_buffers_are_not_cached() -> None:
+    buffers.empty_cache()
+    small = buffers.empty_bytes(1000, torch.device("cpu"))
+    assert small.numel() == 1000
+    del small
+    assert buffers._pool.cached_bytes() == 0
+
+
+def test_cache_limit_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    buffers.empty_cache()
+    monkeypatch.setenv("COMM_BUFFER_CACHE_MB", "2")
+    big = buffers.empty_bytes(3 << 20, torch.device("cpu"))
+    del big  # 3 MiB > the 2 MiB limit: freed, not kept
+    assert buffers._pool.cached_bytes() == 0
+    monkeypatch.setenv("COMM_BUFFER_CACHE_MB", "lots")
+    with pytest.raises(
+        ValueError, match="COMM_BUFFER_CACHE_MB must be a number of MiB, got 'lots'"
+    ):
+        buffers._limit()
+
+
+def test_decoded_arrays_keep_their_buffer_alive() -> None:
+    from comm_collectives.serialization import decode, encode
+
+    buffers.empty_cache()
+    encoded = encode({"a": np.arange(1 << 19, dtype=np.float32), "t": torch.ones(1 << 18)})
+    frame = buffers.empty_bytes(encoded.nbytes, torch.device("cpu"))
+    encoded.write_into(frame.numpy())
+    obj = decode(frame.numpy())
+    del frame
+    array_slice, tensor_slice = obj["a"][5:], obj["t"][2:]
+    del obj
+    as_tensor = torch.from_numpy(array_slice)
+    del array_slice
+    assert buffers._pool.cached_bytes() == 0
+    assert float(as_tensor[0]) == 5.0
+    assert float(tensor_slice.sum()) == (1 << 18) - 2
+    del as_tensor, tensor_slice
+    assert buffers._pool.cached_bytes() > 0
+    buffers.empty_cache()
