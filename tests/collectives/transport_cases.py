@@ -19,7 +19,7 @@ def capacity_adapts() -> dict[str, Any]:
     rank, world = dist.get_dist_info()
     group = torch_dist.new_group(list(range(world)))
     caps = {"start": inline_capacity(group)}
-    blob = bytes([rank]) * 10_000  # pickles to ~10 KB: too big for 4 KiB, fits 16 KiB
+    blob = bytes([rank]) * 10_000  # pickles to ~10 KB: too big for 4 KiB, fits 12 KiB
     first = dist.all_gather_object(blob, group=group)  # long path; the capacity grows
     caps["after 10 KB"] = inline_capacity(group)
     second = dist.all_gather_object(blob, group=group)  # inline now

@@ -14,9 +14,10 @@ Small data rides in the same frame: after the header each rank may put an inline
 of up to :func:`inline_capacity` bytes, so a small all_reduce, broadcast, all_gather or
 object collective is one collective in all, checks included. The capacity belongs to the
 group and adapts: every rank announces how many bytes it wanted to inline, and after each
-exchange every rank applies the same rule to the same table (grow to the next power of two
-that fits the largest wish, within a budget that shrinks with the world size; halve after
-a run of calls that used a quarter of it or less). Frames therefore stay equal in size on
+exchange every rank applies the same rule to the same table (grow to the largest wish plus
+an eighth, in 4 KiB steps, within a budget that shrinks with the world size; halve after a
+run of calls that used a quarter of it or less). A frame only slightly larger than the data
+matters: on loopback gloo a 128 KiB all-gather costs 40% more than a 70 KiB one. Frames therefore stay equal in size on
 every rank without any extra message.
 
 Debug mode (``COMM_DEBUG=1`` or :func:`debug_mode`) adds an exchange of call sites so the
@@ -220,19 +221,20 @@ class _InlineState:
 
     def update(self, wanted: int) -> None:
         if self.capacity < wanted <= self.maximum:
-            self.capacity = min(self.maximum, _next_power_of_two(wanted))
+            self.capacity = min(self.maximum, _round_up(wanted + wanted // 8))
             self.quiet = 0
         elif wanted * 4 <= self.capacity and self.capacity > min(_BASE_INLINE, self.maximum):
             self.quiet += 1
             if self.quiet >= _SHRINK_AFTER:
-                self.capacity = max(min(_BASE_INLINE, self.maximum), self.capacity // 2)
+                floor = min(_BASE_INLINE, self.maximum)
+                self.capacity = max(floor, min(self.capacity, _round_up(self.capacity // 2)))
                 self.quiet = 0
         else:
             self.quiet = 0
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+def _round_up(n: int, grain: int = 4096) -> int:
+    return (n + grain - 1) // grain * grain
 
 
 _states: dict[object, _InlineState] = {}
