@@ -2,7 +2,8 @@
 
 Two local gloo ranks (spawned by comm_core.testing) run every case for every
 implementation; repeats are interleaved between implementations, each time is the
-slowest rank's, and the table reports medians after a warm-up. The raw reference is a
+slowest rank's, and the table reports medians after a warm-up. Cases of a few
+milliseconds time 10 back-to-back calls a sample (the time shown is per call). The raw reference is a
 ``torch.distributed.all_gather_into_tensor`` of the same number of bytes.
 
     python benchmarks/bench_collectives.py [--smoke] [--repeats N] [--out DIR]
@@ -71,8 +72,15 @@ def _torch_collect(results: list[Any], size: int) -> list[Any] | None:
     return ordered[:size]
 
 
-def _cases(sizes: dict[str, int]) -> list[tuple[str, int, dict[str, Callable[[], Any]]]]:
-    """(name, bytes moved a rank, {implementation: call})."""
+# Calls timed together in one sample for the cases of a few milliseconds: on 2 shared cores
+# a single such call after a barrier mostly measures how far apart the ranks woke up.
+_SMALL_BATCH = 10
+
+
+def _cases(
+    sizes: dict[str, int],
+) -> list[tuple[str, int, int, dict[str, Callable[[], Any]]]]:
+    """(name, bytes moved a rank, calls a sample, {implementation: call})."""
     import mmengine.dist as mm
 
     rank = torch_dist.get_rank()
@@ -95,6 +103,7 @@ def _cases(sizes: dict[str, int]) -> list[tuple[str, int, dict[str, Callable[[],
         (
             f"all_gather_object: {sizes['dicts']} small dicts",
             len(pickle.dumps(dicts)),
+            _SMALL_BATCH,
             {
                 "comm": lambda: comm.all_gather_object(dicts),
                 "torch": lambda: torch_dist.all_gather_object([None] * world, dicts),
@@ -104,6 +113,7 @@ def _cases(sizes: dict[str, int]) -> list[tuple[str, int, dict[str, Callable[[],
         (
             f"all_gather_object: {sizes['array_mb']} MB float32 array",
             array_bytes,
+            1,
             {
                 "comm": lambda: comm.all_gather_object(array),
                 "torch": lambda: torch_dist.all_gather_object([None] * world, array),
@@ -114,6 +124,7 @@ def _cases(sizes: dict[str, int]) -> list[tuple[str, int, dict[str, Callable[[],
         (
             f"all_gather_object: dict of 8 x {sizes['tensor_mb']} MB tensors",
             tensor_bytes,
+            1,
             {
                 "comm": lambda: comm.all_gather_object(tensors),
                 "torch": lambda: torch_dist.all_gather_object([None] * world, tensors),
@@ -124,6 +135,7 @@ def _cases(sizes: dict[str, int]) -> list[tuple[str, int, dict[str, Callable[[],
         (
             f"broadcast_object_list: {sizes['array_mb']} MB object",
             array_bytes,
+            1,
             {
                 "comm": lambda: comm.broadcast_object_list([big if rank == 0 else None]),
                 "torch": lambda: torch_dist.broadcast_object_list([big if rank == 0 else None]),
@@ -133,6 +145,7 @@ def _cases(sizes: dict[str, int]) -> list[tuple[str, int, dict[str, Callable[[],
         (
             f"all_reduce_dict: {sizes['scalars']} scalar tensors",
             sizes["scalars"] * 4,
+            _SMALL_BATCH,
             {
                 "comm": lambda: comm.all_reduce_dict(fresh()),
                 "torch": lambda: _torch_reduce_dict(fresh()),
@@ -142,6 +155,7 @@ def _cases(sizes: dict[str, int]) -> list[tuple[str, int, dict[str, Callable[[],
         (
             f"collect_results cpu: {n} small dicts a rank",
             len(pickle.dumps(results)),
+            1,
             {
                 "comm": lambda: comm.collect_results(results, size, device="cpu"),
                 "torch": lambda: _torch_collect(results, size),
@@ -151,6 +165,7 @@ def _cases(sizes: dict[str, int]) -> list[tuple[str, int, dict[str, Callable[[],
         (
             f"collect_results gpu: {n} small dicts a rank",
             len(pickle.dumps(results)),
+            1,
             {
                 "comm": lambda: comm.collect_results(results, size, device="gpu"),
                 "mmengine": lambda: mm.collect_results(results, size, device="gpu"),
@@ -197,14 +212,15 @@ def run_rank(smoke: bool, repeats: int, warmup: int, workdir: str) -> dict[str, 
     os.chdir(workdir)
     sizes = _sizes(smoke)
     table: list[dict[str, Any]] = []
-    for name, nbytes, impls in _cases(sizes):
+    for name, nbytes, batch, impls in _cases(sizes):
         samples: dict[str, list[float]] = {impl: [] for impl in impls}
         for step in range(warmup + repeats):
             for impl, call in impls.items():
                 torch_dist.barrier()
                 start = time.perf_counter()
-                call()
-                elapsed = time.perf_counter() - start
+                for _ in range(batch):
+                    call()
+                elapsed = (time.perf_counter() - start) / batch
                 if step >= warmup:
                     samples[impl].append(elapsed)
         medians = {}
@@ -212,7 +228,9 @@ def run_rank(smoke: bool, repeats: int, warmup: int, workdir: str) -> dict[str, 
             local = torch.tensor(times, dtype=torch.float64)
             torch_dist.all_reduce(local, torch_dist.ReduceOp.MAX)
             medians[impl] = statistics.median(local.tolist())
-        table.append({"case": name, "bytes_per_rank": nbytes, "seconds": medians})
+        table.append(
+            {"case": name, "bytes_per_rank": nbytes, "calls_per_sample": batch, "seconds": medians}
+        )
     return {"sizes": sizes, "cases": table}
 
 
