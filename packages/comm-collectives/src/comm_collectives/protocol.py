@@ -16,9 +16,9 @@ object collective is one collective in all, checks included. The capacity belong
 group and adapts: every rank announces how many bytes it wanted to inline, and after each
 exchange every rank applies the same rule to the same table (grow to the largest wish plus
 an eighth, in 4 KiB steps, within a budget that shrinks with the world size; halve after a
-run of calls that used a quarter of it or less). A frame only slightly larger than the data
-matters: on loopback gloo a 128 KiB all-gather costs 40% more than a 70 KiB one. Frames therefore stay equal in size on
-every rank without any extra message.
+run of calls that used a quarter of it or less). Frames therefore stay equal in size on
+every rank without any extra message. The growth stays close to the data because frame
+size matters: on loopback gloo a 128 KiB all-gather costs 40% more than a 70 KiB one.
 
 Debug mode (``COMM_DEBUG=1`` or :func:`debug_mode`) adds an exchange of call sites so the
 table also shows where each rank made the call.
@@ -32,6 +32,7 @@ import hashlib
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -237,12 +238,15 @@ def _round_up(n: int, grain: int = 4096) -> int:
     return (n + grain - 1) // grain * grain
 
 
-_states: dict[object, _InlineState] = {}
+# weak keys: a destroyed group's state goes with the group
+_states: weakref.WeakKeyDictionary[torch_dist.ProcessGroup, _InlineState] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _state(group: torch_dist.ProcessGroup | None) -> _InlineState:
-    key: object = group
-    if group is None or group is torch_dist.group.WORLD:
+    key = group
+    if key is None or key is torch_dist.group.WORLD:
         key = torch_dist.distributed_c10d._get_default_group()
     state = _states.get(key)
     if state is None:
