@@ -376,13 +376,16 @@ def handshake(
     device = get_comm_device(group)
     row = _HEADER_BYTES + capacity
     frame = torch.empty(row, dtype=torch.uint8, device=device)
+    used = 0
     if payload is not None and header.error is None:
         header.inline = payload.nbytes
         if payload.nbytes <= capacity:
             try:
                 payload.write(frame[_HEADER_BYTES : _HEADER_BYTES + payload.nbytes])
+                used = payload.nbytes
             except Exception as exc:
                 header.error, header.inline = exc, -1
+    frame[_HEADER_BYTES + used :].zero_()  # no stale process memory goes on the wire
     words = torch.tensor(header.encode(), dtype=torch.int64)
     frame[:_HEADER_BYTES].copy_(words.view(torch.uint8))
     table = torch.empty(world * row, dtype=torch.uint8, device=device)
