@@ -109,10 +109,7 @@ class _Segment:
     values: list[torch.Tensor] = field(default_factory=list)
     offset: int = 0
     nbytes: int = 0
-
-    @property
-    def scalars(self) -> bool:
-        return all(v.dim() == 0 for v in self.values)
+    scalars: bool = False  # every value 0-dim: stacked and unbound instead of cat / split
 
 
 def _segments(keys: list[Any], values: list[torch.Tensor]) -> list[_Segment]:
@@ -127,6 +124,7 @@ def _segments(keys: list[Any], values: list[torch.Tensor]) -> list[_Segment]:
     for seg in by_dtype.values():
         seg.offset = offset
         seg.nbytes = sum(v.numel() for v in seg.values) * seg.values[0].element_size()
+        seg.scalars = all(v.dim() == 0 for v in seg.values)
         offset += (seg.nbytes + 15) // 16 * 16  # every segment aligned for any dtype's view
     return list(by_dtype.values())
 

@@ -46,6 +46,24 @@ def _inline(encoded: Encoded | None) -> Inline | None:
     return Inline(encoded.nbytes, write)
 
 
+def _exchange(
+    operation: str,
+    encoded: Encoded | None,
+    error: BaseException | None,
+    group: torch_dist.ProcessGroup | None,
+    root: int = -1,
+) -> list[Peer]:
+    """The handshake of an object collective: frame sizes announced, small frames inline."""
+    return handshake(
+        Header(
+            operation, error=error, root=root, count=encoded.nbytes if encoded is not None else 0
+        ),
+        group,
+        same=("root",) if root >= 0 else (),
+        payload=_inline(encoded),
+    )
+
+
 def _send_tensor(encoded: Encoded | None, width: int, device: torch.device) -> torch.Tensor:
     send = empty_bytes(width, torch.device("cpu"))
     if encoded is not None:
@@ -86,10 +104,7 @@ def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -
     if get_world_size(group) == 1:
         return [data]
     encoded, error = _encode(data)
-    size = encoded.nbytes if encoded is not None else 0
-    peers = handshake(
-        Header("all_gather_object", error=error, count=size), group, payload=_inline(encoded)
-    )
+    peers = _exchange("all_gather_object", encoded, error, group)
     inline = _decode_inline(peers)
     if inline is not None:
         return inline
@@ -121,13 +136,7 @@ def gather_object(
     if get_world_size(group) == 1:
         return [data]
     encoded, error = _encode(data)
-    size = encoded.nbytes if encoded is not None else 0
-    peers = handshake(
-        Header("gather_object", error=error, root=dst, count=size),
-        group,
-        same=("root",),
-        payload=_inline(encoded),
-    )
+    peers = _exchange("gather_object", encoded, error, group, root=dst)
     me = get_rank(group)
     if all(p.payload is not None for p in peers):
         return _decode_inline(peers) if me == dst else None
@@ -167,13 +176,7 @@ def broadcast_object_list(
         return
     me = get_rank(group)
     encoded, error = _encode(data) if me == src else (None, None)
-    size = encoded.nbytes if encoded is not None else 0
-    peers = handshake(
-        Header("broadcast_object_list", error=error, root=src, count=size),
-        group,
-        same=("root",),
-        payload=_inline(encoded),
-    )
+    peers = _exchange("broadcast_object_list", encoded, error, group, root=src)
     inline = peers[src].payload
     if inline is not None:
         if me != src:
