@@ -32,6 +32,21 @@ def test_inline_capacity_adapts_the_same_on_every_rank(run_distributed: Any, wor
         assert r["mixed"] == [(b"s", 1)] + [(b"L", 20_000)] * (world - 1)
 
 
+@pytest.mark.parametrize(("path", "expected"), [("inline", 1), ("long", 2)])
+def test_small_calls_take_one_collective_with_inline_data(
+    run_distributed: Any, path: str, expected: int
+) -> None:
+    case = (
+        transport_cases.collectives_per_call
+        if path == "inline"
+        else transport_cases.collectives_per_call_long
+    )
+    results = run_distributed(case, world_size=2)
+    for counts in results:
+        assert counts == dict.fromkeys(counts, expected)
+        assert len(counts) == 9
+
+
 def test_results_stay_intact_while_buffers_are_reused(run_distributed: Any) -> None:
     n = 1 << 19
     for r in run_distributed(transport_cases.buffers_reused_safely, world_size=2):

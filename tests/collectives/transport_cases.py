@@ -72,3 +72,34 @@ def buffers_reused_safely() -> dict[str, Any]:
     dist.empty_cache()
     out["cached_after_empty"] = buffers._pool.cached_bytes()
     return out
+
+
+def collectives_per_call() -> dict[str, int]:
+    """How many collectives each small call issues, read from the group's sequence number."""
+    rank = dist.get_rank()
+    group = torch_dist.distributed_c10d._get_default_group()
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(torch.ones(3)),
+        "broadcast": lambda: dist.broadcast(torch.ones(3)),
+        "all_gather": lambda: dist.all_gather(torch.ones(rank + 1)),
+        "gather": lambda: dist.gather(torch.ones(rank + 1)),
+        "all_gather_object": lambda: dist.all_gather_object({"rank": rank}),
+        "gather_object": lambda: dist.gather_object({"rank": rank}),
+        "broadcast_object_list": lambda: dist.broadcast_object_list([rank]),
+        "all_reduce_dict": lambda: dist.all_reduce_dict({"a": torch.ones(()), "b": torch.ones(2)}),
+        "sync_random_seed": dist.sync_random_seed,
+    }
+    counts = {}
+    for name, call in calls.items():
+        before = group._get_sequence_number_for_group()
+        call()
+        counts[name] = group._get_sequence_number_for_group() - before
+    return counts
+
+
+def collectives_per_call_long() -> dict[str, int]:
+    """The same calls with inline data switched off: handshake plus data transfer."""
+    from comm_collectives.protocol import inline_limit
+
+    with inline_limit(0):
+        return collectives_per_call()
