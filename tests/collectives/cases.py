@@ -236,6 +236,30 @@ def collect_error_case() -> tuple[str, str]:
     return _caught(dist.collect_results, results, 4)
 
 
+def _refuse_to_load() -> None:
+    message = "this object cannot be rebuilt on the receiving rank"
+    raise RuntimeError(message)
+
+
+class FailsToLoad:
+    """Pickles fine; unpickling it raises (a class missing on the receiver, say)."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse_to_load, ())
+
+
+def collect_load_failure_case() -> dict[str, Any]:
+    """Rank 0 cannot unpickle rank 1's part while rank 2's large part is still coming."""
+    rank = dist.get_rank()
+    parts: dict[int, list[Any]] = {0: [0], 1: [FailsToLoad()], 2: [np.full(2**20, 2.0)]}
+    first = _caught(dist.collect_results, parts[rank], 3)
+    # nothing of the failed call is left over: the next call gets exactly its own parts
+    again = dist.collect_results([f"item {rank}"], 3)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return {"first": first, "again": again, "total": total.item()}
+
+
 def mismatch_cases() -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {}

@@ -28,6 +28,9 @@ def test_failure_reports_the_failed_rank_and_the_stuck_one_then_restarts() -> No
         states = {r.rank: r.state for r in info.value.reports}
         assert states == {0: "stuck", 1: "error"}
         text = str(info.value)
+        # the cause comes first, so a log cut short still shows it
+        assert text.splitlines()[0].endswith("rank 1 error, rank 0 stuck")
+        assert text.index("rank 1: error") < text.index("rank 0: stuck")
         assert "ValueError: deliberate failure on rank 1" in text
         assert "kit_helpers.py" in text  # rank 1's traceback
         assert "in fail_on_rank_one" in text  # rank 0's stack, dumped while stuck

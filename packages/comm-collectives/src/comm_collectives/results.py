@@ -20,6 +20,7 @@ import torch.distributed as torch_dist
 
 from comm_core import get_backend, get_comm_device, get_rank, get_world_size
 
+from .buffers import empty_bytes
 from .protocol import Header, handshake
 from .serialization import Encoded, decode, encode
 from .tensors import global_rank
@@ -144,13 +145,20 @@ def _collect_by_messages(
         assert encoded is not None
         torch_dist.send(encoded.to_tensor().to(comm_device), global_rank(group, 0), group=group)
         return None
-    parts: list[list[Any]] = [results]
+    parts: list[list[Any]] = [results]  # error is None here: the handshake raised otherwise
     for peer in peers[1:]:
-        buffer = torch.empty(peer.count, dtype=torch.uint8, device=comm_device)
+        buffer = empty_bytes(peer.count, comm_device)
         torch_dist.recv(buffer, global_rank(group, peer.rank), group=group)
-        frame: np.ndarray[Any, np.dtype[np.uint8]] = buffer.cpu().numpy()
-        parts.append(decode(frame))
-        del buffer, frame  # free this part's buffer before the next one is allocated
+        # after a failure the remaining parts are still received: no sender is left
+        # blocked, and no stale part is left in the channel for a later call
+        if error is None:
+            try:
+                parts.append(decode(buffer.cpu().numpy()))
+            except Exception as exc:
+                error = exc
+        del buffer  # free this part's buffer before the next one is allocated
+    if error is not None:
+        raise error
     return _interleave(parts, size)
 
 

@@ -57,7 +57,11 @@ class RanksFailedError(AssertionError):
 
     def __init__(self, function: str, world_size: int, reports: list[RankReport]) -> None:
         self.reports = reports
-        bad = [r for r in reports if r.state != "ok"]
+        # Ranks that raised or died come first: the ranks stuck waiting on them are only
+        # the consequence, and a log cut short should still show the cause.
+        bad = sorted(
+            (r for r in reports if r.state != "ok"), key=lambda r: (r.state == "stuck", r.rank)
+        )
         head = ", ".join(f"rank {r.rank} {r.state}" for r in bad)
         lines = [f"{function} failed in a world of {world_size}: {head}"]
         for report in bad:
