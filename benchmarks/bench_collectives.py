@@ -313,8 +313,12 @@ def main() -> int:
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.smoke else 9)
     warmup = 1 if args.smoke else 2
-    # Import this file as a module so the ranks can find run_rank by name.
+    # The ranks find run_rank by name when this file is imported as a module. mmengine is
+    # imported here first: on its first import on a machine yapf (imported by mmengine's
+    # config module) writes a grammar cache, and two ranks doing that at the same moment
+    # may read each other's half-written file.
     sys.path.insert(0, str(Path(__file__).parent))
+    import mmengine.dist  # noqa: F401
     from bench_collectives import memory_rank
     from bench_collectives import run_rank as rank_fn
 
