@@ -248,16 +248,21 @@ class FailsToLoad:
         return (_refuse_to_load, ())
 
 
-def collect_load_failure_case() -> dict[str, Any]:
-    """Rank 0 cannot unpickle rank 1's part while rank 2's large part is still coming."""
+def collect_load_failure_case(root: str | None) -> dict[str, Any]:
+    """Rank 0 cannot unpickle rank 1's part while rank 2's large part is still coming
+    (through messages, or through a folder under ``root`` when it is given)."""
     rank = dist.get_rank()
+    tmpdir = os.path.join(root, "parts") if root else None
     parts: dict[int, list[Any]] = {0: [0], 1: [FailsToLoad()], 2: [np.full(2**20, 2.0)]}
-    first = _caught(dist.collect_results, parts[rank], 3)
+    first = _caught(dist.collect_results, parts[rank], 3, tmpdir=tmpdir)
+    dist.barrier()
+    left = tmpdir is not None and os.path.exists(tmpdir)
+    dist.barrier()  # every rank looked before the next call creates the folder again
     # nothing of the failed call is left over: the next call gets exactly its own parts
-    again = dist.collect_results([f"item {rank}"], 3)
+    again = dist.collect_results([f"item {rank}"], 3, tmpdir=tmpdir)
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
-    return {"first": first, "again": again, "total": total.item()}
+    return {"first": first, "left": left, "again": again, "total": total.item()}
 
 
 def mismatch_cases() -> dict[str, Any]:

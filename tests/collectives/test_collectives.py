@@ -232,15 +232,20 @@ def test_collect_results_error_on_one_rank_raises_everywhere(run_distributed: An
         assert "collect_results failed on rank(s) 1" in message
 
 
-def test_collect_results_part_that_fails_to_unpickle_on_rank_zero(run_distributed: Any) -> None:
-    results = run_distributed(cases.collect_load_failure_case, world_size=3)
+@pytest.mark.parametrize("tmpdir", [False, True])
+def test_collect_results_part_that_fails_to_unpickle_on_rank_zero(
+    run_distributed: Any, tmpdir: bool, tmp_path: Path
+) -> None:
+    root = str(tmp_path) if tmpdir else None
+    results = run_distributed(cases.collect_load_failure_case, root, world_size=3)
     # rank 0 raises the unpickling error; the senders had nothing left to do
     assert results[0]["first"] == (
         "RuntimeError",
         "this object cannot be rebuilt on the receiving rank",
     )
     assert results[1]["first"] == results[2]["first"] == ("", "")
-    # rank 2's large part was drained, not left for the next call to read
+    # rank 2's large part was drained (or its file removed), not left for the next call
+    assert [r["left"] for r in results] == [False, False, False]
     assert results[0]["again"] == ["item 0", "item 1", "item 2"]
     assert results[1]["again"] is results[2]["again"] is None
     assert [r["total"] for r in results] == [3.0, 3.0, 3.0]

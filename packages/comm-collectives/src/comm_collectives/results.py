@@ -202,11 +202,17 @@ def _collect_through_folder(
         return None
     parts: list[list[Any]] = [results]
     for name in names[1:]:
-        parts.append(decode(np.fromfile(name, dtype=np.uint8)))
+        if error is None:  # after a failure the other parts are still removed
+            try:
+                parts.append(decode(np.fromfile(name, dtype=np.uint8)))
+            except Exception as exc:
+                error = exc
         os.remove(name)
     os.remove(path)
     if created:
         _remove_if_empty(tmpdir)
+    if error is not None:
+        raise error
     return _interleave(parts, size)
 
 
