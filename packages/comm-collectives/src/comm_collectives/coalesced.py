@@ -18,7 +18,7 @@ import torch.distributed as torch_dist
 
 from comm_core import CollectiveMismatchError, get_world_size
 
-from .protocol import DTYPES, Header, Inline, Peer, handshake, signature_of
+from .protocol import DTYPES, Header, Inline, handshake, inline_payloads, signature_of
 from .tensors import reduce_inplace, reduce_op_name, reduce_rows
 
 __all__ = ["all_reduce_dict", "all_reduce_params"]
@@ -89,8 +89,9 @@ def all_reduce_dict(
     )
     if len({p.signature for p in peers}) > 1:
         _raise_key_mismatch(keys, values, group)
-    if all(p.payload is not None for p in peers):
-        results = _reduce_inline(segments, peers, name)
+    payloads = inline_payloads(peers)
+    if payloads is not None:
+        results = _reduce_inline(segments, payloads, name)
     else:
         results = [
             (seg, _reduce_flat(seg.values, name, group, "all_reduce_dict")) for seg in segments
@@ -169,10 +170,9 @@ def _dict_payload(segments: list[_Segment]) -> Inline:
 
 
 def _reduce_inline(
-    segments: list[_Segment], peers: list[Peer], op: str
+    segments: list[_Segment], payloads: list[torch.Tensor], op: str
 ) -> list[tuple[_Segment, list[torch.Tensor]]]:
     """Reduce the flattened dicts gathered inline; every rank computes the same values."""
-    payloads = [p.payload for p in peers if p.payload is not None]
     results = []
     for seg in segments:
         rows = torch.stack(

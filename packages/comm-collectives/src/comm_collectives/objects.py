@@ -18,7 +18,7 @@ import torch.distributed as torch_dist
 from comm_core import get_comm_device, get_rank, get_world_size
 
 from .buffers import empty_bytes
-from .protocol import Header, Inline, Peer, all_gather_flat, handshake
+from .protocol import Header, Inline, Peer, all_gather_flat, handshake, inline_payloads
 from .serialization import Encoded, decode, encode
 from .tensors import _check_root, global_rank
 
@@ -76,12 +76,10 @@ def _decode_rows(out: torch.Tensor, counts: list[int], width: int) -> list[Any]:
     return [decode(frames[r * width : r * width + n]) for r, n in enumerate(counts)]
 
 
-def _decode_inline(peers: list[Peer]) -> list[Any] | None:
-    """The objects, when every rank's frame came inline; None otherwise."""
-    if any(p.payload is None for p in peers):
-        return None
+def _decode_inline(payloads: list[torch.Tensor]) -> list[Any]:
+    """The objects of frames that came inline, one per rank."""
     # each object gets its own copy of its bytes: results must not keep the table alive
-    return [decode(p.payload.cpu().numpy().copy()) for p in peers if p.payload is not None]
+    return [decode(p.cpu().numpy().copy()) for p in payloads]
 
 
 def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -> list[Any]:
@@ -105,9 +103,9 @@ def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -
         return [data]
     encoded, error = _encode(data)
     peers = _exchange("all_gather_object", encoded, error, group)
-    inline = _decode_inline(peers)
-    if inline is not None:
-        return inline
+    payloads = inline_payloads(peers)
+    if payloads is not None:
+        return _decode_inline(payloads)
     counts = [p.count for p in peers]
     width = max(counts)
     device = get_comm_device(group)
@@ -138,8 +136,9 @@ def gather_object(
     encoded, error = _encode(data)
     peers = _exchange("gather_object", encoded, error, group, root=dst)
     me = get_rank(group)
-    if all(p.payload is not None for p in peers):
-        return _decode_inline(peers) if me == dst else None
+    payloads = inline_payloads(peers)
+    if payloads is not None:
+        return _decode_inline(payloads) if me == dst else None
     counts = [p.count for p in peers]
     width = max(counts)
     device = get_comm_device(group)

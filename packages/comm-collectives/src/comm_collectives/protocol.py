@@ -58,6 +58,7 @@ __all__ = [
     "handshake",
     "inline_capacity",
     "inline_limit",
+    "inline_payloads",
     "signature_of",
 ]
 
@@ -308,6 +309,12 @@ class Peer:
         if site is not None:
             row["call site"] = site
         return row
+
+
+def inline_payloads(peers: list[Peer]) -> list[torch.Tensor] | None:
+    """Every rank's inline bytes in rank order; None unless every rank's data came inline."""
+    payloads = [p.payload for p in peers if p.payload is not None]
+    return payloads if len(payloads) == len(peers) else None
 
 
 def _decode(rank: int, words: list[int]) -> Peer:

@@ -17,7 +17,15 @@ import torch.distributed as torch_dist
 from comm_core import get_comm_device, get_rank, get_world_size
 
 from .buffers import empty_bytes
-from .protocol import REDUCE_OPS, Header, Inline, Peer, all_gather_flat, handshake
+from .protocol import (
+    REDUCE_OPS,
+    Header,
+    Inline,
+    Peer,
+    all_gather_flat,
+    handshake,
+    inline_payloads,
+)
 
 __all__ = [
     "all_gather",
@@ -119,9 +127,8 @@ def reduce_rows(rows: torch.Tensor, op: str, operation: str) -> torch.Tensor:
 
 def _inline_rows(peers: list[Peer], dtype: torch.dtype) -> list[torch.Tensor] | None:
     """Each rank's inline data as a flat tensor of ``dtype``; None unless all came inline."""
-    if any(p.payload is None for p in peers):
-        return None
-    return [p.payload.view(dtype) for p in peers if p.payload is not None]
+    payloads = inline_payloads(peers)
+    return None if payloads is None else [p.view(dtype) for p in payloads]
 
 
 def reduce_inplace(
