@@ -265,6 +265,73 @@ def collect_load_failure_case(root: str | None) -> dict[str, Any]:
     return {"first": first, "left": left, "again": again, "total": total.item()}
 
 
+LARGE_PART = 20_000  # items a rank: a pickled part spans more chunks than the window
+
+
+def large_item(rank: int, i: int) -> Any:
+    """Item ``i`` of ``rank``'s part; every 500th holds a tensor and an array, some are None."""
+    if i % 7 == 3:
+        return None
+    item: dict[str, Any] = {"idx": rank + i, "label": f"r{rank}-{i:05d}", "score": i / 8}
+    if i % 500 == 0:
+        item["t"] = torch.full((3,), float(rank * 1000 + i))
+        item["a"] = np.arange(i % 11, dtype=np.int32)
+    return item
+
+
+def summarise_item(item: Any) -> Any:
+    """A comparable form of :func:`large_item`'s items (tensors and arrays as lists)."""
+    if item is None:
+        return None
+    return {k: v.tolist() if hasattr(v, "tolist") else v for k, v in item.items()}
+
+
+def collect_large_case() -> dict[str, Any]:
+    """collect_results of parts of several chunks each, the last rank's one item short."""
+    import pickle
+
+    rank, world = dist.get_dist_info()
+    part = [large_item(rank, i) for i in range(LARGE_PART)]
+    if rank == world - 1:
+        part = part[:-1]
+    out = dist.collect_results(part, world * LARGE_PART - 1)
+    # a medium part (one message, after the pickler is done) and a small one (inline)
+    medium = dist.collect_results([f"{rank}:{i}" for i in range(2000)], world * 2000)
+    again = dist.collect_results([rank], world)
+    return {
+        "result": None if out is None else [summarise_item(item) for item in out],
+        "bytes": len(pickle.dumps(part)),
+        "medium": medium,
+        "again": again,
+    }
+
+
+def collect_midstream_failure_case() -> dict[str, Any]:
+    """The last rank's item 20,000 cannot be pickled: its first chunks are already sent."""
+    rank, world = dist.get_dist_info()
+    part: list[Any] = [f"{rank}-{i}" for i in range(30_000)]
+    if rank == world - 1:
+        part[20_000] = Unpicklable()
+    first = _caught(dist.collect_results, part, world * len(part))
+    again = dist.collect_results([f"item {rank}"], world)  # nothing of the failed call is left
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return {"first": first, "again": again, "total": total.item()}
+
+
+def collect_midstream_load_failure_case() -> dict[str, Any]:
+    """Rank 0 cannot unpickle item 20,000 of rank 1's part; rank 2's part still comes."""
+    rank = dist.get_rank()
+    part: list[Any] = [f"{rank}-{i}" for i in range(30_000)]
+    if rank == 1:
+        part[20_000] = FailsToLoad()
+    first = _caught(dist.collect_results, part, 3 * len(part))
+    again = dist.collect_results([f"item {rank}"], 3)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return {"first": first, "again": again, "total": total.item()}
+
+
 def mismatch_cases() -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {}

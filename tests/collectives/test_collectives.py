@@ -238,17 +238,66 @@ def test_collect_results_part_that_fails_to_unpickle_on_rank_zero(
 ) -> None:
     root = str(tmp_path) if tmpdir else None
     results = run_distributed(cases.collect_load_failure_case, root, world_size=3)
-    # rank 0 raises the unpickling error; the senders had nothing left to do
-    assert results[0]["first"] == (
-        "RuntimeError",
-        "this object cannot be rebuilt on the receiving rank",
-    )
-    assert results[1]["first"] == results[2]["first"] == ("", "")
+    # every rank raises the same error, naming rank 0 and its unpickling error
+    for r in results:
+        name, message = r["first"]
+        assert name == "RemoteRankError"
+        assert "collect_results failed on rank(s) 0;" in message
+        assert "this object cannot be rebuilt on the receiving rank" in message
     # rank 2's large part was drained (or its file removed), not left for the next call
     assert [r["left"] for r in results] == [False, False, False]
     assert results[0]["again"] == ["item 0", "item 1", "item 2"]
     assert results[1]["again"] is results[2]["again"] is None
     assert [r["total"] for r in results] == [3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("world", WORLDS)
+def test_collect_results_streams_large_parts_with_tensors(
+    run_distributed: Any, path: str, world: int
+) -> None:
+    results = _run(run_distributed, path, cases.collect_large_case, world_size=world)
+    n = cases.LARGE_PART
+    size = world * n - 1  # the last rank's part is one item short
+    # hand-derived: item i comes from rank i % W, position i // W of its part
+    expected = [cases.large_item(i % world, i // world) for i in range(size)]
+    assert results[0]["result"] == [cases.summarise_item(item) for item in expected]
+    assert results[0]["bytes"] > 4 * 128 * 1024  # more chunks than receives posted ahead
+    assert [r["result"] for r in results[1:]] == [None] * (world - 1)
+    assert results[0]["medium"] == [f"{i % world}:{i // world}" for i in range(world * 2000)]
+    assert [r["again"] for r in results] == [list(range(world))] + [None] * (world - 1)
+    assert [r["medium"] for r in results[1:]] == [None] * (world - 1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("world", WORLDS)
+def test_collect_results_pickling_fails_in_the_middle_of_a_part(
+    run_distributed: Any, path: str, world: int
+) -> None:
+    results = _run(run_distributed, path, cases.collect_midstream_failure_case, world_size=world)
+    failing = world - 1  # its item 20,000 refuses to be pickled, long after the first chunk
+    for r in results:
+        name, message = r["first"]
+        assert name == "RemoteRankError"
+        assert f"collect_results failed on rank(s) {failing};" in message
+        assert "this object refuses to be pickled" in message
+        assert r["total"] == float(sum(range(world)))
+    assert results[0]["again"] == [f"item {i}" for i in range(world)]
+    assert [r["again"] for r in results[1:]] == [None] * (world - 1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_collect_results_unpickling_fails_in_the_middle_of_a_part(
+    run_distributed: Any, path: str
+) -> None:
+    results = _run(run_distributed, path, cases.collect_midstream_load_failure_case, world_size=3)
+    for r in results:
+        name, message = r["first"]
+        assert name == "RemoteRankError"
+        assert "collect_results failed on rank(s) 0;" in message
+        assert "this object cannot be rebuilt on the receiving rank" in message
+        assert r["total"] == 3.0
+    assert results[0]["again"] == ["item 0", "item 1", "item 2"]
 
 
 @pytest.mark.parametrize("path", PATHS)

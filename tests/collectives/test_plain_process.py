@@ -8,7 +8,7 @@ import torch
 
 import comm_collectives as dist
 import comm_core
-from comm_collectives.serialization import decode, encode
+from comm_collectives.serialization import decode, encode, frame_pieces
 
 
 def test_comm_core_api_is_re_exported() -> None:
@@ -81,9 +81,10 @@ def test_debug_mode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_serialization_keeps_buffers_out_of_the_pickle_stream() -> None:
     big = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
     tensor = torch.arange(1 << 18, dtype=torch.float64)  # 2 MiB
-    encoded = encode({"array": big, "tensor": tensor})
-    assert encoded._stream.nbytes < 2048  # only the structure, not the 6 MiB of data
-    frame = encoded.to_tensor().numpy()
+    frame = encode({"array": big, "tensor": tensor}).to_tensor().numpy()
+    stream, *buffers = frame_pieces(frame)
+    assert stream.nbytes < 2048  # only the structure, not the 6 MiB of data
+    assert sorted(b.nbytes for b in buffers) == [2 << 20, 4 << 20]
     back = decode(frame)
     assert np.array_equal(back["array"], big)
     assert torch.equal(back["tensor"], tensor)

@@ -35,6 +35,7 @@ import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as torch_dist
@@ -59,6 +60,7 @@ __all__ = [
     "inline_capacity",
     "inline_limit",
     "inline_payloads",
+    "raise_everywhere",
     "signature_of",
 ]
 
@@ -435,21 +437,44 @@ def handshake(
 def _raise_remote(header: Header, peers: list[Peer], group: torch_dist.ProcessGroup | None) -> None:
     failure: RankFailure | None = None
     if header.error is not None:
-        error = header.error
-        failure = RankFailure(
-            get_rank(group),
-            f"{type(error).__module__}.{type(error).__qualname__}",
-            str(error),
-            "".join(traceback.format_exception(type(error), error, error.__traceback__)),
-        )
+        failure = _failure_of(header.error, group)
     elif header.shape is not None and len(header.shape) > MAX_DIMS:
         failure = RankFailure(
             get_rank(group),
             "ValueError",
             f"a tensor of {len(header.shape)} dimensions; collectives take at most {MAX_DIMS}",
         )
-    gathered: list[object] = [None] * len(peers)
+    _gather_and_raise(header.operation, failure, header.error, group)
+
+
+def raise_everywhere(
+    operation: str, error: BaseException | None, group: torch_dist.ProcessGroup | None
+) -> NoReturn:
+    """Raise one :class:`~comm_core.RemoteRankError` on every rank of ``group``.
+
+    Every rank calls this at the same point, once the ranks agree that the call failed;
+    ``error`` is this rank's own failure, or None when this rank only reports the others'.
+    """
+    failure = None if error is None else _failure_of(error, group)
+    _gather_and_raise(operation, failure, error, group)
+
+
+def _failure_of(error: BaseException, group: torch_dist.ProcessGroup | None) -> RankFailure:
+    return RankFailure(
+        get_rank(group),
+        f"{type(error).__module__}.{type(error).__qualname__}",
+        str(error),
+        "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+    )
+
+
+def _gather_and_raise(
+    operation: str,
+    failure: RankFailure | None,
+    error: BaseException | None,
+    group: torch_dist.ProcessGroup | None,
+) -> NoReturn:
+    gathered: list[object] = [None] * get_world_size(group)
     torch_dist.all_gather_object(gathered, failure, group=group)
     failures = [f for f in gathered if isinstance(f, RankFailure)]
-    error = RemoteRankError(header.operation, failures)
-    raise error from header.error
+    raise RemoteRankError(operation, failures) from error

@@ -1,10 +1,16 @@
 """collect_results: put the per-rank results of a distributed evaluation back in order.
 
 With a ``DistributedSampler`` rank ``r`` of ``W`` holds items ``r, r + W, r + 2W, ...``.
-Rank 0 receives the parts one rank at a time (so its memory holds the results plus one
-part in transit), interleaves them, keeps ``None`` results, and truncates the padding the
-sampler added. No shared filesystem is needed; with an explicit ``tmpdir`` the parts go
-through that folder instead, written atomically, and only what this call created is removed.
+Rank 0 receives the parts one rank at a time, interleaves them, keeps ``None`` results, and
+truncates the padding the sampler added. Each part is streamed (:mod:`.stream`): its sender
+pickles it chunk by chunk while rank 0 unpickles the chunks already there, so rank 0 holds
+its results plus a few chunks in transit. No shared filesystem is needed; with an explicit
+``tmpdir`` the parts go through that folder instead, written atomically, and only what this
+call created is removed.
+
+Every call ends with rank 0's verdict (one small broadcast): when a sender failed to pickle
+the rest of its part, or rank 0 failed to unpickle one, every rank raises the same
+:class:`~comm_core.RemoteRankError`.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ import torch.distributed as torch_dist
 
 from comm_core import get_backend, get_comm_device, get_rank, get_world_size
 
-from .buffers import empty_bytes
-from .protocol import Header, handshake
-from .serialization import Encoded, decode, encode
+from .protocol import Header, Inline, Peer, handshake, inline_capacity, raise_everywhere
+from .serialization import decode, dump, encode
+from .stream import PartReader, PartWriter, PeerFailedError
 from .tensors import global_rank
 
 __all__ = ["collect_results", "collect_results_cpu", "collect_results_gpu"]
@@ -110,8 +116,7 @@ def collect_results(
         return results[:size]
     if device == "cpu" and tmpdir is not None:
         return _collect_through_folder(results, size, tmpdir, group)
-    transport = _cpu_group(group) if device == "cpu" else group
-    return _collect_by_messages(results, size, transport, device)
+    return _collect_by_messages(results, size, _cpu_group(group) if device == "cpu" else group)
 
 
 def collect_results_cpu(
@@ -127,39 +132,84 @@ def collect_results_gpu(result_part: list[Any], size: int) -> list[Any] | None:
 
 
 def _collect_by_messages(
-    results: list[Any], size: int, group: torch_dist.ProcessGroup | None, device: str
+    results: list[Any], size: int, group: torch_dist.ProcessGroup | None
 ) -> list[Any] | None:
-    me = get_rank(group)
-    encoded: Encoded | None = None
-    error: BaseException | None = None
-    if me != 0:
-        try:
-            encoded = encode(results)
-        except Exception as exc:
-            error = exc
-    peers = handshake(
-        Header("collect_results", error=error, count=encoded.nbytes if encoded else 0), group
-    )
-    comm_device = get_comm_device(group) if device == "gpu" else torch.device("cpu")
-    if me != 0:
-        assert encoded is not None
-        torch_dist.send(encoded.to_tensor().to(comm_device), global_rank(group, 0), group=group)
+    device = get_comm_device(group)
+    if get_rank(group) != 0:
+        _send_part(results, group, device)
         return None
-    parts: list[list[Any]] = [results]  # error is None here: the handshake raised otherwise
-    for peer in peers[1:]:
-        buffer = empty_bytes(peer.count, comm_device)
-        torch_dist.recv(buffer, global_rank(group, peer.rank), group=group)
-        # after a failure the remaining parts are still received: no sender is left
-        # blocked, and no stale part is left in the channel for a later call
-        if error is None:
+    peers = handshake(Header("collect_results"), group)  # raises if a rank failed early
+    readers = [
+        PartReader(_head_of(peer), peer.count, global_rank(group, peer.rank), group, device)
+        for peer in peers[1:]
+    ]
+    parts: list[list[Any]] = [results]
+    error: BaseException | None = None
+    failed = False
+    for index, reader in enumerate(readers):
+        # the receives of this part and of the next are posted before unpickling starts
+        for ahead in readers[index : index + 2]:
+            ahead.post()
+        if not failed:
             try:
-                parts.append(decode(buffer.cpu().numpy()))
+                parts.append(reader.load())
+            except PeerFailedError:  # the sender reports its own error in the verdict
+                failed = True
             except Exception as exc:
-                error = exc
-        del buffer  # free this part's buffer before the next one is allocated
-    if error is not None:
-        raise error
+                error, failed = exc, True
+        # after a failure the remaining parts are still received: no sender is left
+        # blocked, and no stale message is left in the channel for a later call
+        reader.finish()
+    _verdict(failed, error, group, device)
     return _interleave(parts, size)
+
+
+def _head_of(peer: Peer) -> bytes:
+    if peer.payload is None:  # the sender's head always fits: capacities are equal
+        message = f"collect_results: rank {peer.rank}'s first bytes did not come inline"
+        raise RuntimeError(message)
+    return peer.payload.cpu().numpy().tobytes()
+
+
+def _send_part(
+    results: list[Any], group: torch_dist.ProcessGroup | None, device: torch.device
+) -> None:
+    def announce(head: bytearray, count: int) -> None:
+        def write(out: torch.Tensor) -> None:
+            if head:
+                out.copy_(torch.frombuffer(head, dtype=torch.uint8))
+
+        inline = Inline(len(head), write)
+        handshake(Header("collect_results", count=count), group, payload=inline)
+
+    writer = PartWriter(announce, inline_capacity(group), global_rank(group, 0), group, device)
+    error: BaseException | None = None
+    try:
+        writer.finish(dump(results, writer))
+    except Exception as exc:
+        if writer.stage == "pickling":  # nothing sent yet: the handshake reports it
+            handshake(Header("collect_results", error=exc), group)
+        if writer.stage != "streaming":  # the handshake or the transport failed
+            raise
+        writer.fail()
+        error = exc
+    _verdict(error is not None, error, group, device)
+
+
+def _verdict(
+    failed: bool,
+    error: BaseException | None,
+    group: torch_dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """Rank 0 tells every rank whether the call failed; then every rank raises the same error.
+
+    ``failed`` counts on rank 0 only; ``error`` is this rank's own failure, if any.
+    """
+    flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+    torch_dist.broadcast(flag, global_rank(group, 0), group=group)
+    if int(flag.item()):
+        raise_everywhere("collect_results", error, group)
 
 
 def _collect_through_folder(
@@ -199,6 +249,7 @@ def _collect_through_folder(
     # 3. rank 0 reads the parts in rank order, removing each file it has read
     names = _exchange_names(path, group)
     if me != 0:
+        _verdict(False, None, group, get_comm_device(group))
         return None
     parts: list[list[Any]] = [results]
     for name in names[1:]:
@@ -211,8 +262,7 @@ def _collect_through_folder(
     os.remove(path)
     if created:
         _remove_if_empty(tmpdir)
-    if error is not None:
-        raise error
+    _verdict(error is not None, error, group, get_comm_device(group))
     return _interleave(parts, size)
 
 

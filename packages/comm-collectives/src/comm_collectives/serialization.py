@@ -7,7 +7,8 @@ A frame lays them out after the stream, each 64-byte aligned:
     [n_buffers, stream_len, len_0 ... len_n-1] (int64) | pad | stream | pad | buf_0 | pad | ...
 
 Writing a frame copies each buffer once into the send tensor; reading rebuilds the arrays
-and tensors as views of the receive tensor, without a copy.
+and tensors as views of the receive tensor, without a copy. :func:`dump` and :func:`load`
+work on file-like objects instead, for the chunked streams of :mod:`.stream`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,22 @@ import contextlib
 import gc
 import io
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Encoded", "decode", "encode"]
+__all__ = [
+    "Encoded",
+    "decode",
+    "dump",
+    "encode",
+    "frame_nbytes",
+    "frame_pieces",
+    "load",
+    "write_frame",
+]
 
 _ALIGN = 64
 
@@ -77,37 +87,69 @@ class _Pickler(pickle.Pickler):
         )
 
 
+def frame_nbytes(pieces: Sequence[memoryview]) -> int:
+    """Size of the frame that holds ``pieces`` (the stream, then the buffers)."""
+    offset = _aligned(8 * (1 + len(pieces)))
+    for piece in pieces:
+        offset += _aligned(piece.nbytes)
+    return offset
+
+
+def write_frame(out: np.ndarray[Any, np.dtype[np.uint8]], pieces: Sequence[memoryview]) -> None:
+    """Lay ``pieces`` (the stream, then the buffers) out in ``out``, each 64-byte aligned."""
+    head = np.array([len(pieces) - 1, *(p.nbytes for p in pieces)], dtype=np.int64)
+    out[: head.nbytes] = head.view(np.uint8)
+    offset = _aligned(head.nbytes)
+    for piece in pieces:
+        out[offset : offset + piece.nbytes] = np.frombuffer(piece, dtype=np.uint8)
+        offset += _aligned(piece.nbytes)
+
+
+def frame_pieces(frame: np.ndarray[Any, np.dtype[np.uint8]]) -> list[memoryview]:
+    """The pieces of a frame (the stream, then the buffers), as views of ``frame``."""
+    n_buffers = int(frame[:8].view(np.int64)[0])
+    lengths = frame[8 : 8 * (2 + n_buffers)].view(np.int64).tolist()
+    offset = _aligned(8 * (2 + n_buffers))
+    pieces = []
+    for length in lengths:
+        pieces.append(frame[offset : offset + length].data)
+        offset += _aligned(length)
+    return pieces
+
+
 class Encoded:
     """An object pickled with its buffers kept aside, ready to be written as a frame."""
 
     def __init__(self, obj: Any) -> None:
-        self._buffers: list[memoryview] = []
         stream = io.BytesIO()
-        _Pickler(stream, protocol=5, buffer_callback=self._keep).dump(obj)
-        self._stream = stream.getbuffer()
-        offset = _aligned(8 * (2 + len(self._buffers))) + _aligned(self._stream.nbytes)
-        for buf in self._buffers:
-            offset += _aligned(buf.nbytes)
-        self.nbytes = offset
-
-    def _keep(self, buffer: pickle.PickleBuffer) -> None:
-        self._buffers.append(buffer.raw())
+        buffers = dump(obj, stream)
+        self._pieces = [stream.getbuffer(), *buffers]
+        self.nbytes = frame_nbytes(self._pieces)
 
     def write_into(self, out: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
         """Write the frame into the first :attr:`nbytes` bytes of ``out``."""
-        lengths = [self._stream.nbytes] + [b.nbytes for b in self._buffers]
-        head = np.array([len(self._buffers), *lengths], dtype=np.int64)
-        out[: head.nbytes] = head.view(np.uint8)
-        offset = _aligned(head.nbytes)
-        for piece in [self._stream, *self._buffers]:
-            out[offset : offset + piece.nbytes] = np.frombuffer(piece, dtype=np.uint8)
-            offset += _aligned(piece.nbytes)
+        write_frame(out, self._pieces)
 
     def to_tensor(self) -> torch.Tensor:
         """Return the frame as a new uint8 tensor of :attr:`nbytes` bytes."""
         out = torch.empty(self.nbytes, dtype=torch.uint8)
         self.write_into(out.numpy())
         return out
+
+
+def dump(obj: Any, file: Any) -> list[memoryview]:
+    """Pickle ``obj`` into ``file`` (anything with ``write``); return its out-of-band buffers.
+
+    The stream reaches ``file`` in frames of about 64 KiB as pickling goes, so a writer can
+    send the first frames while the rest is still being pickled.
+    """
+    buffers: list[memoryview] = []
+
+    def keep(buffer: pickle.PickleBuffer) -> None:
+        buffers.append(buffer.raw())
+
+    _Pickler(file, protocol=5, buffer_callback=keep).dump(obj)
+    return buffers
 
 
 def encode(obj: Any) -> Encoded:
@@ -128,14 +170,18 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def load(file: Any, buffers: Iterable[Any] = ()) -> Any:
+    """Unpickle from ``file`` (``read``, ``readinto``, ``readline``) as it arrives.
+
+    ``buffers`` is consumed only when the stream reaches its first out-of-band buffer, so it
+    may be a generator that waits for them.
+    """
+    with _gc_paused():
+        return pickle.Unpickler(file, buffers=buffers).load()
+
+
 def decode(frame: np.ndarray[Any, np.dtype[np.uint8]]) -> Any:
     """Rebuild the object of a frame; arrays and tensors become views of ``frame``."""
-    n_buffers = int(frame[:8].view(np.int64)[0])
-    lengths = frame[8 : 8 * (2 + n_buffers)].view(np.int64).tolist()
-    offset = _aligned(8 * (2 + n_buffers))
-    pieces = []
-    for length in lengths:
-        pieces.append(frame[offset : offset + length].data)
-        offset += _aligned(length)
+    pieces = frame_pieces(frame)
     with _gc_paused():
         return pickle.loads(pieces[0], buffers=pieces[1:])

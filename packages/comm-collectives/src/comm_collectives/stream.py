@@ -1,0 +1,301 @@
+"""Part streams: a sending rank pickles while rank 0 unpickles (used by collect_results).
+
+A sender pickles its part into a :class:`PartWriter`, rank 0 unpickles it from a
+:class:`PartReader`. The sender announces its part in the call's handshake, in one of
+three shapes, chosen by size:
+
+- **inline** (``count == 0``): the whole pickle fits the group's inline capacity and rides
+  in the handshake frame; no message follows.
+- **one message** (``count > 0``): the pickler finished before writing its first 64 KiB
+  frame; the part goes as one frame of ``count`` bytes (stream, then the out-of-band
+  buffers), as in :func:`.serialization.encode`.
+- **streamed** (``count == STREAMED``): a larger part is sent while it is being pickled,
+  so rank 0 rebuilds the first chunks while the sender pickles the rest. The first bytes
+  ride in the handshake frame; the rest follows in messages of exactly
+  :data:`CHUNK_BYTES`::
+
+      int64 [kind, payload bytes, extra] | pad to 64 bytes | payload
+
+  ``DATA`` says more follows. ``LAST`` ends the stream; its ``extra`` is the size of the
+  frame of out-of-band buffers (tensors and arrays in the part), sent next as one
+  message. ``FAILED`` says the sender could not pickle the rest of its part.
+
+Rank 0 posts its receives before it needs them: on gloo, a message that finds no receive
+posted waits for an exchange of notifications between the two ranks' transport threads,
+which costs milliseconds on a busy machine. For a stream it keeps :data:`WINDOW` receives
+posted ahead of the one it reads. It cannot know where a stream ends, so after ``LAST`` or
+``FAILED`` the sender sends ``WINDOW - 1`` filler messages, one for each receive still
+posted: nothing is left posted to catch a later call's messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+from .buffers import empty_bytes
+from .serialization import decode, frame_nbytes, frame_pieces, load, write_frame
+
+__all__ = ["CHUNK_BYTES", "STREAMED", "WINDOW", "PartReader", "PartWriter", "PeerFailedError"]
+
+CHUNK_BYTES = 128 * 1024
+WINDOW = 4
+STREAMED = -1
+_STREAM_AT = 64 * 1024  # the C pickler writes its first frame at 64 KiB
+_HEAD = 64
+_PAYLOAD = CHUNK_BYTES - _HEAD
+DATA, LAST, FAILED, FILLER = 0, 1, 2, 3
+
+
+class PeerFailedError(Exception):
+    """The sender of a stream could not pickle its part (it reports why itself)."""
+
+
+class PartWriter:
+    """The file a sending rank's pickler writes into.
+
+    Args:
+        announce: Makes the call's handshake with the bytes to send inline and the part's
+            shape (``count``, see the module docstring); it raises on every rank when the
+            ranks disagree or a rank failed.
+        head_size: Bytes that may travel inline in the handshake.
+        dst: Global rank of the receiver.
+        group: Process group of the transfer.
+        device: Device the group's messages live on.
+
+    Attributes:
+        stage: ``"pickling"`` (nothing announced yet), ``"announcing"`` (inside the
+            handshake), ``"streaming"`` (chunks may follow) or ``"closed"``.
+    """
+
+    def __init__(
+        self,
+        announce: Callable[[bytearray, int], None],
+        head_size: int,
+        dst: int,
+        group: torch_dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self._announce_to = announce
+        self._head_size = max(0, min(head_size, _PAYLOAD))
+        self._dst = dst
+        self._group = group
+        self._device = device
+        self._pending = bytearray()
+        self._chunk = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)  # no stale memory is sent
+        self.stage = "pickling"
+
+    def write(self, data: Any) -> int:
+        """Take the pickler's next frame; stream every full chunk once the part is announced."""
+        self._pending += data
+        if self.stage == "pickling" and len(self._pending) >= _STREAM_AT:
+            head = self._pending[: self._head_size]
+            del self._pending[: len(head)]
+            self._announce(head, STREAMED)
+        if self.stage == "streaming":
+            while len(self._pending) >= _PAYLOAD:
+                self._send(DATA, _PAYLOAD)
+        return memoryview(data).nbytes
+
+    def finish(self, buffers: list[memoryview]) -> None:
+        """Send the rest once the pickler is done; ``buffers`` are its out-of-band buffers."""
+        if self.stage == "pickling":
+            if not buffers and len(self._pending) <= self._head_size:
+                self._announce(self._pending, 0)
+                return
+            pieces = [memoryview(self._pending), *buffers]
+            frame = empty_bytes(frame_nbytes(pieces), torch.device("cpu"))
+            write_frame(frame.numpy(), pieces)
+            self._announce(bytearray(), frame.numel())
+            torch_dist.send(frame.to(self._device), self._dst, group=self._group)
+            return
+        while len(self._pending) > _PAYLOAD:
+            self._send(DATA, _PAYLOAD)
+        extra = None
+        if buffers:
+            extra_pieces = [memoryview(b""), *buffers]
+            extra = empty_bytes(frame_nbytes(extra_pieces), torch.device("cpu"))
+            write_frame(extra.numpy(), extra_pieces)
+        self.stage = "closed"  # from here on a failure is the transport's, not the part's
+        self._send(LAST, len(self._pending), 0 if extra is None else extra.numel())
+        self._fill()
+        if extra is not None:
+            torch_dist.send(extra.to(self._device), self._dst, group=self._group)
+
+    def fail(self) -> None:
+        """Tell the receiver that the rest of the stream will not come (stage ``"streaming"``)."""
+        self.stage = "closed"
+        self._pending.clear()
+        self._send(FAILED, 0)
+        self._fill()
+
+    def _announce(self, head: bytearray, count: int) -> None:
+        self.stage = "announcing"
+        self._announce_to(head, count)
+        self.stage = "streaming" if count == STREAMED else "closed"
+
+    def _send(self, kind: int, nbytes: int, extra: int = 0) -> None:
+        out = self._chunk.numpy()
+        out[:24].view(np.int64)[:] = (kind, nbytes, extra)
+        if nbytes:
+            out[_HEAD : _HEAD + nbytes] = np.frombuffer(self._pending, dtype=np.uint8, count=nbytes)
+            del self._pending[:nbytes]
+        torch_dist.send(self._chunk.to(self._device), self._dst, group=self._group)
+
+    def _fill(self) -> None:
+        self._chunk.numpy()[:24].view(np.int64)[:] = (FILLER, 0, 0)
+        message = self._chunk.to(self._device)
+        for _ in range(WINDOW - 1):
+            torch_dist.send(message, self._dst, group=self._group)
+
+
+class PartReader:
+    """The file rank 0's unpickler reads one sender's part from.
+
+    Args:
+        head: The bytes that came inline in the handshake.
+        count: The part's shape, as announced (see the module docstring).
+        src: Global rank of the sender.
+        group: Process group of the transfer.
+        device: Device the group's messages live on.
+    """
+
+    def __init__(
+        self,
+        head: bytes,
+        count: int,
+        src: int,
+        group: torch_dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self._data = head
+        self._pos = 0
+        self._count = count
+        self._src = src
+        self._group = group
+        self._device = device
+        self._slots: list[torch.Tensor] = []
+        self._works: list[Any] = []
+        self._next = 0
+        self._ended = count != STREAMED
+        self._failed = False
+        self._extra_nbytes = 0
+        self._extra: list[memoryview] | None = None
+        self._received = count == 0  # a part in one message: whether it has been received
+
+    def post(self) -> None:
+        """Post the receives this part needs first (once; an inline part needs none)."""
+        if self._slots or self._count == 0:
+            return
+        if self._count > 0:
+            self._slots = [empty_bytes(self._count, self._device)]
+        else:
+            self._slots = [
+                torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=self._device)
+                for _ in range(WINDOW)
+            ]
+        self._works = [self._receive(slot) for slot in self._slots]
+
+    def load(self) -> Any:
+        """Rebuild the part; a streamed part is unpickled as its chunks arrive.
+
+        Raises:
+            PeerFailedError: The sender could not pickle the rest of its stream.
+        """
+        if self._count > 0:
+            frame = self._receive_whole()
+            return decode((frame if frame.device.type == "cpu" else frame.cpu()).numpy())
+        return load(self, self._extra_buffers())
+
+    def finish(self) -> None:
+        """Receive what is left of the part (all of it after a failure) and let it go."""
+        if self._count > 0 and not self._received:
+            self._receive_whole()
+        while not self._ended:
+            self._pull()
+        if not self._failed and self._extra is None and self._extra_nbytes:
+            self._receive_extra()
+        self._data = b""
+        self._extra = None
+        self._slots = []
+
+    # the file interface of pickle.Unpickler
+
+    def read(self, n: int) -> bytes:
+        while len(self._data) - self._pos < n and not self._ended:
+            self._pull()
+        if self._failed:
+            raise PeerFailedError
+        out = self._data[self._pos : self._pos + n]
+        self._pos += len(out)
+        return out
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+    def readline(self) -> bytes:
+        end = self._data.find(b"\n", self._pos)
+        while end < 0 and not self._ended:
+            self._pull()
+            end = self._data.find(b"\n", self._pos)
+        if self._failed:
+            raise PeerFailedError
+        stop = end + 1 if end >= 0 else len(self._data)
+        out = self._data[self._pos : stop]
+        self._pos = stop
+        return out
+
+    def _receive_whole(self) -> torch.Tensor:
+        self.post()
+        self._works[0].wait()
+        self._received = True
+        frame, self._slots = self._slots[0], []
+        return frame
+
+    def _receive(self, slot: torch.Tensor) -> Any:
+        return torch_dist.irecv(slot, self._src, group=self._group)
+
+    def _pull(self) -> None:
+        self.post()
+        index = self._next % WINDOW
+        self._works[index].wait()
+        slot = self._slots[index]
+        message = (slot if slot.device.type == "cpu" else slot.cpu()).numpy()
+        kind, nbytes, extra = message[:24].view(np.int64).tolist()
+        payload = message[_HEAD : _HEAD + nbytes].tobytes()
+        self._next += 1
+        if kind == DATA:
+            self._works[index] = self._receive(slot)  # its payload is copied out: reuse it
+        else:
+            self._ended = True
+            self._failed = kind == FAILED
+            self._extra_nbytes = extra
+            for later in range(1, WINDOW):  # the fillers of the receives still posted
+                self._works[(index + later) % WINDOW].wait()
+        rest = self._data[self._pos :]
+        self._data = rest + payload if rest else payload
+        self._pos = 0
+
+    def _receive_extra(self) -> None:
+        frame = empty_bytes(self._extra_nbytes, self._device)
+        torch_dist.recv(frame, self._src, group=self._group)
+        host = frame if frame.device.type == "cpu" else frame.cpu()
+        self._extra = frame_pieces(host.numpy())[1:]
+
+    def _extra_buffers(self) -> Iterator[memoryview]:
+        # runs on the first out-of-band buffer the stream refers to: the buffers come after
+        # the stream, so the rest of the stream is received (and kept) first
+        while not self._ended:
+            self._pull()
+        if self._failed:
+            raise PeerFailedError
+        if self._extra is None and self._extra_nbytes:
+            self._receive_extra()
+        yield from self._extra or ()
