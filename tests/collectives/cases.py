@@ -6,6 +6,7 @@ hand from those inputs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections import namedtuple
@@ -361,6 +362,27 @@ def remote_error_details() -> dict[str, Any]:
             "cause": type(exc.__cause__).__name__,
         }
     return {}
+
+
+def collect_mismatch_case(debug: bool) -> dict[str, Any]:
+    """Rank 1 streams a large part into collect_results while rank 0 is in all_reduce."""
+    rank = dist.get_rank()
+    part = [f"{rank}-{i}" for i in range(30_000)]  # streamed: the handshake comes mid-pickle
+    context = dist.debug_mode() if debug else contextlib.nullcontext()
+    with context:
+        if rank == 0:
+            first = _caught(dist.all_reduce, torch.ones(2))
+        else:
+            first = _caught(dist.collect_results, part, 2 * len(part))
+    # nothing of either call is left in the channel
+    again = dist.collect_results(part, 2 * len(part))
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return {
+        "first": first,
+        "again": again == [f"{i % 2}-{i // 2}" for i in range(2 * len(part))],
+        "total": total.item(),
+    }
 
 
 def mismatch_rows() -> list[dict[str, object]]:

@@ -318,6 +318,22 @@ def test_mismatched_calls_raise_on_every_rank(run_distributed: Any, path: str) -
         assert r["debug_after"] is False
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_collect_results_mismatch_while_a_part_is_streamed(
+    run_distributed: Any, debug: bool
+) -> None:
+    results = run_distributed(cases.collect_mismatch_case, debug, world_size=2)
+    for r in results:
+        name, message = r["first"]
+        assert name == "CollectiveMismatchError"
+        assert "collect_results" in message
+        assert "all_reduce" in message
+        assert ("cases.py:" in message) is debug  # the call-site column of debug mode
+        assert r["total"] == 1.0
+    assert results[0]["again"] is True
+    assert results[1]["again"] is False  # None on rank 1
+
+
 def test_remote_rank_error_names_rank_and_cause(run_distributed: Any) -> None:
     for r in run_distributed(cases.remote_error_details, world_size=3):
         assert r["ranks"] == (1,)
