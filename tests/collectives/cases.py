@@ -10,6 +10,7 @@ import contextlib
 import os
 import random
 from collections import namedtuple
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -287,50 +288,68 @@ def summarise_item(item: Any) -> Any:
     return {k: v.tolist() if hasattr(v, "tolist") else v for k, v in item.items()}
 
 
+@contextlib.contextmanager
+def _shapes_seen() -> Iterator[list[int]]:
+    """Record the shape (``count``: 0 inline, > 0 one message, -1 streamed) of every part
+    rank 0 starts to receive inside the block."""
+    from comm_collectives import results
+
+    seen: list[int] = []
+    original = results.PartReader
+
+    class Recording(original):  # type: ignore[misc, valid-type]
+        def __init__(self, head: bytes, count: int, *args: Any) -> None:
+            seen.append(count)
+            super().__init__(head, count, *args)
+
+    results.PartReader = Recording  # type: ignore[misc]
+    try:
+        yield seen
+    finally:
+        results.PartReader = original  # type: ignore[misc]
+
+
 def collect_large_case() -> dict[str, Any]:
-    """collect_results of parts of several chunks each, the last rank's one item short."""
+    """collect_results of parts of several chunks each, the last rank's one item short;
+    then a medium part (one message, after the pickler is done) and a small one (inline)."""
     import pickle
 
     rank, world = dist.get_dist_info()
     part = [large_item(rank, i) for i in range(LARGE_PART)]
     if rank == world - 1:
         part = part[:-1]
-    out = dist.collect_results(part, world * LARGE_PART - 1)
-    # a medium part (one message, after the pickler is done) and a small one (inline)
-    medium = dist.collect_results([f"{rank}:{i}" for i in range(2000)], world * 2000)
-    again = dist.collect_results([rank], world)
+    shapes = []
+    with _shapes_seen() as seen:
+        out = dist.collect_results(part, world * LARGE_PART - 1)
+        shapes.append(list(seen))
+        seen.clear()
+        medium = dist.collect_results([f"{rank}:{i}" for i in range(2000)], world * 2000)
+        shapes.append(list(seen))
+        seen.clear()
+        again = dist.collect_results([rank], world)
+        shapes.append(list(seen))
     return {
         "result": None if out is None else [summarise_item(item) for item in out],
         "bytes": len(pickle.dumps(part)),
         "medium": medium,
         "again": again,
+        "shapes": shapes,
     }
 
 
-def collect_midstream_failure_case() -> dict[str, Any]:
-    """The last rank's item 20,000 cannot be pickled: its first chunks are already sent."""
+def collect_midstream_failure_case(bad_rank: int, bad: str) -> dict[str, Any]:
+    """Item 20,000 of ``bad_rank``'s streamed part cannot be pickled (``bad="pickle"``) or
+    cannot be rebuilt on rank 0 (``bad="load"``): its first chunks are already sent."""
     rank, world = dist.get_dist_info()
     part: list[Any] = [f"{rank}-{i}" for i in range(30_000)]
-    if rank == world - 1:
-        part[20_000] = Unpicklable()
-    first = _caught(dist.collect_results, part, world * len(part))
+    if rank == bad_rank:
+        part[20_000] = Unpicklable() if bad == "pickle" else FailsToLoad()
+    with _shapes_seen() as shapes:
+        first = _caught(dist.collect_results, part, world * len(part))
     again = dist.collect_results([f"item {rank}"], world)  # nothing of the failed call is left
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
-    return {"first": first, "again": again, "total": total.item()}
-
-
-def collect_midstream_load_failure_case() -> dict[str, Any]:
-    """Rank 0 cannot unpickle item 20,000 of rank 1's part; rank 2's part still comes."""
-    rank = dist.get_rank()
-    part: list[Any] = [f"{rank}-{i}" for i in range(30_000)]
-    if rank == 1:
-        part[20_000] = FailsToLoad()
-    first = _caught(dist.collect_results, part, 3 * len(part))
-    again = dist.collect_results([f"item {rank}"], 3)
-    total = torch.tensor([float(rank)])
-    dist.all_reduce(total)
-    return {"first": first, "again": again, "total": total.item()}
+    return {"first": first, "shapes": shapes, "again": again, "total": total.item()}
 
 
 def mismatch_cases() -> dict[str, Any]:
@@ -380,7 +399,7 @@ def collect_mismatch_case(debug: bool) -> dict[str, Any]:
     dist.all_reduce(total)
     return {
         "first": first,
-        "again": again == [f"{i % 2}-{i // 2}" for i in range(2 * len(part))],
+        "again": None if again is None else again == [f"{i % 2}-{i // 2}" for i in range(60_000)],
         "total": total.item(),
     }
 

@@ -15,6 +15,16 @@ WORLDS = [2, 3]
 PATHS = ["inline", "long"]
 
 
+def _raised_on_every_rank(results: list[Any], rank: int, cause: str) -> None:
+    """Every rank's ``first`` call raised the same RemoteRankError, naming ``rank`` and
+    ``cause``."""
+    for r in results:
+        name, message = r["first"]
+        assert name == "RemoteRankError"
+        assert f"collect_results failed on rank(s) {rank};" in message
+        assert cause in message
+
+
 def _run(run_distributed: Any, path: str, case: Any, *args: Any, world_size: int) -> Any:
     if path == "inline":
         return run_distributed(case, *args, world_size=world_size)
@@ -239,11 +249,7 @@ def test_collect_results_part_that_fails_to_unpickle_on_rank_zero(
     root = str(tmp_path) if tmpdir else None
     results = run_distributed(cases.collect_load_failure_case, root, world_size=3)
     # every rank raises the same error, naming rank 0 and its unpickling error
-    for r in results:
-        name, message = r["first"]
-        assert name == "RemoteRankError"
-        assert "collect_results failed on rank(s) 0;" in message
-        assert "this object cannot be rebuilt on the receiving rank" in message
+    _raised_on_every_rank(results, 0, "this object cannot be rebuilt on the receiving rank")
     # rank 2's large part was drained (or its file removed), not left for the next call
     assert [r["left"] for r in results] == [False, False, False]
     assert results[0]["again"] == ["item 0", "item 1", "item 2"]
@@ -267,6 +273,16 @@ def test_collect_results_streams_large_parts_with_tensors(
     assert results[0]["medium"] == [f"{i % world}:{i // world}" for i in range(world * 2000)]
     assert [r["again"] for r in results] == [list(range(world))] + [None] * (world - 1)
     assert [r["medium"] for r in results[1:]] == [None] * (world - 1)
+    # rank 0 saw each shape: streamed (-1), one message (its size), inline (0); with
+    # inline data switched off the small part goes as one message too
+    large, medium, small = results[0]["shapes"]
+    assert large == [-1] * (world - 1)
+    assert len(medium) == len(small) == world - 1
+    assert all(count > 0 for count in medium)
+    if path == "inline":
+        assert small == [0] * (world - 1)
+    else:
+        assert all(count > 0 for count in small)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -274,13 +290,18 @@ def test_collect_results_streams_large_parts_with_tensors(
 def test_collect_results_pickling_fails_in_the_middle_of_a_part(
     run_distributed: Any, path: str, world: int
 ) -> None:
-    results = _run(run_distributed, path, cases.collect_midstream_failure_case, world_size=world)
     failing = world - 1  # its item 20,000 refuses to be pickled, long after the first chunk
+    results = _run(
+        run_distributed,
+        path,
+        cases.collect_midstream_failure_case,
+        failing,
+        "pickle",
+        world_size=world,
+    )
+    _raised_on_every_rank(results, failing, "this object refuses to be pickled")
+    assert results[0]["shapes"] == [-1] * (world - 1)  # every part was streamed
     for r in results:
-        name, message = r["first"]
-        assert name == "RemoteRankError"
-        assert f"collect_results failed on rank(s) {failing};" in message
-        assert "this object refuses to be pickled" in message
         assert r["total"] == float(sum(range(world)))
     assert results[0]["again"] == [f"item {i}" for i in range(world)]
     assert [r["again"] for r in results[1:]] == [None] * (world - 1)
@@ -290,12 +311,13 @@ def test_collect_results_pickling_fails_in_the_middle_of_a_part(
 def test_collect_results_unpickling_fails_in_the_middle_of_a_part(
     run_distributed: Any, path: str
 ) -> None:
-    results = _run(run_distributed, path, cases.collect_midstream_load_failure_case, world_size=3)
+    # rank 0 cannot rebuild item 20,000 of rank 1's part; rank 2's part still comes
+    results = _run(
+        run_distributed, path, cases.collect_midstream_failure_case, 1, "load", world_size=3
+    )
+    _raised_on_every_rank(results, 0, "this object cannot be rebuilt on the receiving rank")
+    assert results[0]["shapes"] == [-1, -1]
     for r in results:
-        name, message = r["first"]
-        assert name == "RemoteRankError"
-        assert "collect_results failed on rank(s) 0;" in message
-        assert "this object cannot be rebuilt on the receiving rank" in message
         assert r["total"] == 3.0
     assert results[0]["again"] == ["item 0", "item 1", "item 2"]
 
@@ -331,7 +353,7 @@ def test_collect_results_mismatch_while_a_part_is_streamed(
         assert ("cases.py:" in message) is debug  # the call-site column of debug mode
         assert r["total"] == 1.0
     assert results[0]["again"] is True
-    assert results[1]["again"] is False  # None on rank 1
+    assert results[1]["again"] is None
 
 
 def test_remote_rank_error_names_rank_and_cause(run_distributed: Any) -> None:

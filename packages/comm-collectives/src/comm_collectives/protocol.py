@@ -424,7 +424,7 @@ def handshake(
             "COMM_DEBUG=1 to see each rank's call site.",
         )
     if not all(p.ok for p in peers):
-        _raise_remote(header, peers, group)
+        _raise_remote(header, group)
     for name in same:
         values = {getattr(p, name) for p in peers}
         if len(values) > 1:
@@ -434,7 +434,7 @@ def handshake(
     return peers
 
 
-def _raise_remote(header: Header, peers: list[Peer], group: torch_dist.ProcessGroup | None) -> None:
+def _raise_remote(header: Header, group: torch_dist.ProcessGroup | None) -> None:
     failure: RankFailure | None = None
     if header.error is not None:
         failure = _failure_of(header.error, group)

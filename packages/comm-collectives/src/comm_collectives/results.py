@@ -175,11 +175,7 @@ def _send_part(
     results: list[Any], group: torch_dist.ProcessGroup | None, device: torch.device
 ) -> None:
     def announce(head: bytearray, count: int) -> None:
-        def write(out: torch.Tensor) -> None:
-            if head:
-                out.copy_(torch.frombuffer(head, dtype=torch.uint8))
-
-        inline = Inline(len(head), write)
+        inline = Inline.of_tensor(torch.from_numpy(np.frombuffer(head, dtype=np.uint8)))
         handshake(Header("collect_results", count=count), group, payload=inline)
 
     writer = PartWriter(announce, inline_capacity(group), global_rank(group, 0), group, device)

@@ -107,19 +107,13 @@ class PartWriter:
             if not buffers and len(self._pending) <= self._head_size:
                 self._announce(self._pending, 0)
                 return
-            pieces = [memoryview(self._pending), *buffers]
-            frame = empty_bytes(frame_nbytes(pieces), torch.device("cpu"))
-            write_frame(frame.numpy(), pieces)
+            frame = _frame([memoryview(self._pending), *buffers])
             self._announce(bytearray(), frame.numel())
             torch_dist.send(frame.to(self._device), self._dst, group=self._group)
             return
         while len(self._pending) > _PAYLOAD:
             self._send(DATA, _PAYLOAD)
-        extra = None
-        if buffers:
-            extra_pieces = [memoryview(b""), *buffers]
-            extra = empty_bytes(frame_nbytes(extra_pieces), torch.device("cpu"))
-            write_frame(extra.numpy(), extra_pieces)
+        extra = _frame([memoryview(b""), *buffers]) if buffers else None
         self.stage = "closed"  # from here on a failure is the transport's, not the part's
         self._send(LAST, len(self._pending), 0 if extra is None else extra.numel())
         self._fill()
@@ -151,6 +145,13 @@ class PartWriter:
         message = self._chunk.to(self._device)
         for _ in range(WINDOW - 1):
             torch_dist.send(message, self._dst, group=self._group)
+
+
+def _frame(pieces: list[memoryview]) -> torch.Tensor:
+    """A CPU tensor holding the frame of ``pieces`` (the stream, then the buffers)."""
+    frame = empty_bytes(frame_nbytes(pieces), torch.device("cpu"))
+    write_frame(frame.numpy(), pieces)
+    return frame
 
 
 class PartReader:
