@@ -206,16 +206,43 @@ def _memory_kib(fn: Callable[[], Any]) -> tuple[int, int, Any]:
     return peak, _rss_kib("VmRSS") - before, result
 
 
-def run_rank(smoke: bool, repeats: int, warmup: int, workdir: str) -> dict[str, Any]:
+def bind_to_cores(bind: bool) -> list[int]:
+    """Give this rank a set of cores of its own; return the cores it may run on.
+
+    Each rank gets ``cores // world`` cores, disjoint from the other ranks' (none when the
+    machine has fewer cores than ranks), as a launcher's CPU binding does in a real job.
+    Every thread already running (the process group's transport threads included) is
+    moved, and threads started later inherit the set.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    world, rank = torch_dist.get_world_size(), torch_dist.get_rank()
+    share = len(cores) // world
+    if not bind or share == 0:
+        return cores
+    mine = cores[rank * share : (rank + 1) * share]
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), mine)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return mine
+
+
+def run_rank(smoke: bool, repeats: int, warmup: int, workdir: str, bind: bool) -> dict[str, Any]:
     """Measure every case on this rank; return per-case medians (slowest rank's time)."""
     # mmengine's cpu mode needs a folder shared by the ranks: it writes .dist_test in the cwd
     os.chdir(workdir)
+    cores = bind_to_cores(bind)
     sizes = _sizes(smoke)
     table: list[dict[str, Any]] = []
     for name, nbytes, batch, impls in _cases(sizes):
         samples: dict[str, list[float]] = {impl: [] for impl in impls}
+        names = list(impls)
         for step in range(warmup + repeats):
-            for impl, call in impls.items():
+            # the order rotates, so each implementation follows each other one equally often
+            # (one that runs first would always pay what the last one left to clean up)
+            for impl in names[step % len(names) :] + names[: step % len(names)]:
+                call = impls[impl]
                 torch_dist.barrier()
                 start = time.perf_counter()
                 for _ in range(batch):
@@ -231,13 +258,13 @@ def run_rank(smoke: bool, repeats: int, warmup: int, workdir: str) -> dict[str, 
         table.append(
             {"case": name, "bytes_per_rank": nbytes, "calls_per_sample": batch, "seconds": medians}
         )
-    return {"sizes": sizes, "cases": table}
+    return {"sizes": sizes, "cases": table, "cores_of_rank_0": cores}
 
 
 _MEMORY_LABELS = ("comm cpu", "comm gpu", "mmengine cpu", "mmengine gpu")
 
 
-def memory_rank(label: str, smoke: bool, workdir: str) -> dict[str, int] | None:
+def memory_rank(label: str, smoke: bool, workdir: str, bind: bool) -> dict[str, int] | None:
     """Rank 0's memory in one collect_results, in a fresh world.
 
     Peak RSS growth during the call, and the growth still held once it returned (the
@@ -250,6 +277,7 @@ def memory_rank(label: str, smoke: bool, workdir: str) -> dict[str, int] | None:
     import mmengine.dist as mm
 
     os.chdir(workdir)
+    bind_to_cores(bind)
     rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
     n = _sizes(smoke)["results"]
     results = _small_dicts(n, rank)
@@ -310,8 +338,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 repeats (CI)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument(
+        "--no-bind", action="store_true", help="let the ranks' threads run on any core"
+    )
     args = parser.parse_args()
-    repeats = args.repeats or (2 if args.smoke else 9)
+    repeats = args.repeats or (2 if args.smoke else 25)
     warmup = 1 if args.smoke else 2
     # The ranks find run_rank by name when this file is imported as a module. mmengine is
     # imported here first: on its first import on a machine yapf (imported by mmengine's
@@ -323,20 +354,22 @@ def main() -> int:
     from bench_collectives import run_rank as rank_fn
 
     env = {"OMP_NUM_THREADS": "1"}
+    bind = not args.no_bind
     # mmengine's cpu mode writes every part to the working directory: on tmpfs, when there
     # is one, its files cost it the least and no disk writeback disturbs the other samples
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(prefix="comm-bench-", dir=shm) as workdir:
         result = launch(
-            rank_fn, args.smoke, repeats, warmup, workdir, nprocs=2, timeout=1800, env=env
+            rank_fn, args.smoke, repeats, warmup, workdir, bind, nprocs=2, timeout=1800, env=env
         )[0]
         result["memory"] = {
-            label: launch(memory_rank, label, args.smoke, workdir, nprocs=2, timeout=600, env=env)[
-                0
-            ]
+            label: launch(
+                memory_rank, label, args.smoke, workdir, bind, nprocs=2, timeout=600, env=env
+            )[0]
             for label in _MEMORY_LABELS
         }
     result["repeats"] = repeats
+    result["bound_to_cores"] = bind
     result["torch"] = torch.__version__
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
