@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -120,3 +121,81 @@ def test_decoded_arrays_keep_their_buffer_alive() -> None:
     del as_tensor, tensor_slice
     assert buffers._pool.cached_bytes() > 0
     buffers.empty_cache()
+
+
+@pytest.mark.parametrize("long_path", [False, True])
+@pytest.mark.parametrize(("world", "src"), [(2, 0), (3, 2)])
+def test_broadcast_sends_large_pieces_from_their_own_memory(
+    run_distributed: Any, world: int, src: int, long_path: bool
+) -> None:
+    from comm_collectives.objects import DIRECT_BYTES
+
+    results = run_distributed(
+        transport_cases.broadcast_large_pieces, src, long_path, world_size=world
+    )
+    expected = transport_cases.expected_large_object(src)
+    plans = results[0]["plans"]
+    for r in results:
+        assert r["object"] == expected
+        assert r["plans"] == plans  # every rank derived the same messages
+        assert r["single"] == (3.0, 3.0, 1 << 21)
+        assert r["single_collectives"] == 2  # the handshake, then the array's own memory
+    (plan, single) = plans
+    if long_path:  # no head inline: the frame goes as one copied message
+        assert len(plan) == 1
+        assert (plan[0][0], plan[0][2]) == (0, -1)
+        assert results[0]["collectives"] == 2
+        return
+    # the stream and the five buffers of 4 MiB or more go from their own memory, in frame
+    # order; the small buffers between them go copied, in runs
+    direct = [(first, end, piece) for first, end, piece in plan if piece >= 0]
+    assert [piece for _, _, piece in direct] == [0, 1, 3, 4, 5]
+    assert all(end - first >= DIRECT_BYTES - 4096 for first, end, _ in direct)
+    assert [piece for _, _, piece in plan] == [0, 1, -1, 3, 4, 5, -1]
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(plan))  # in order, no overlap
+    assert results[0]["collectives"] == 1 + len(plan)
+    assert len(single) == 1
+    assert single[0][2] == 1
+
+
+def test_frame_ranges_join_to_the_whole_frame_with_zeroed_padding() -> None:
+    from comm_collectives.serialization import encode, frame_offsets, head_lengths
+
+    encoded = encode({"a": np.arange(1000, dtype=np.int16), "t": torch.ones(37), "s": "x" * 333})
+    whole = np.full(encoded.nbytes, 0xAB, dtype=np.uint8)
+    encoded.write_into(whole)
+    for cuts in ([0, encoded.nbytes], [0, 7, 64, 65, 500, 2100, encoded.nbytes]):
+        joined = np.concatenate([_written(encoded, a, b) for a, b in itertools.pairwise(cuts)])
+        assert bytes(joined) == bytes(whole)
+    lengths = head_lengths(whole)
+    assert lengths == [p.nbytes for p in encoded.pieces]
+    assert head_lengths(whole[:8]) is None  # the count alone: the lengths are missing
+    # every byte outside the head and the pieces is zero
+    used = np.zeros(encoded.nbytes, dtype=bool)
+    used[: 8 * (1 + len(lengths))] = True
+    for offset, length in zip(frame_offsets(lengths), lengths):
+        used[offset : offset + length] = True
+    assert not whole[~used].any()
+
+
+def _written(encoded: Any, start: int, stop: int) -> np.ndarray:
+    out = np.full(stop - start, 0xAB, dtype=np.uint8)
+    encoded.write_into(out, start, stop)
+    return out
+
+
+def test_broadcast_plan_by_hand() -> None:
+    from comm_collectives.objects import _broadcast_plan
+
+    # head: 5 words = 40 -> 64; stream 100 B at 64 (to 192); 5 MiB at 192; 10 B at
+    # 192 + 5 MiB; 4 MiB at 192 + 5 MiB + 64
+    lengths = [100, 5 << 20, 10, 4 << 20]
+    assert _broadcast_plan(lengths, 4096, 9437440) == [
+        (4096, 5243072, 1),
+        (5243072, 5243082, -1),
+        (5243136, 9437440, 3),
+    ]
+    assert _broadcast_plan(lengths, 0, 9437440)[0] == (64, 164, -1)  # the head is not re-sent
+    assert _broadcast_plan(None, 4096, 10_000) == [(4096, 10_000, -1)]
+    assert _broadcast_plan(None, 0, 10_000) == [(0, 10_000, -1)]
+    assert _broadcast_plan([1, 2], 4096, 4096) == []

@@ -103,3 +103,94 @@ def collectives_per_call_long() -> dict[str, int]:
 
     with inline_limit(0):
         return collectives_per_call()
+
+
+def _large_object(src: int) -> dict[str, Any]:
+    """An object whose frame has pieces above and below the direct threshold (4 MiB)."""
+    n = (4 << 20) // 4 + 7  # a float32 array just over 4 MiB
+    grid = torch.arange(2048 * 1024, dtype=torch.float32).reshape(2048, 1024) + src
+    return {
+        "array": np.arange(n, dtype=np.float32) * (src + 1),
+        "small": torch.arange(10) * (src + 2),
+        "text": f"from rank {src}",
+        "float64": torch.full((1 << 19,), float(src) + 0.5, dtype=torch.float64),  # 4 MiB
+        "read_only": np.frombuffer(bytes(range(256)) * (1 << 14), dtype=np.uint8),  # 4 MiB
+        "strided": grid[:, ::2],  # not contiguous: pickled as a contiguous 4 MiB copy
+        "bf16": torch.full((3,), 1.5 + src, dtype=torch.bfloat16),
+        "words": [f"w{i}" for i in range(600_000)],  # an in-band stream over 4 MiB
+    }
+
+
+def _describe(obj: dict[str, Any]) -> dict[str, Any]:
+    array, grid = obj["array"], obj["strided"]
+    return {
+        "array": (array.shape, float(array[1]), float(array[-1])),
+        "small": obj["small"].tolist(),
+        "text": obj["text"],
+        "float64": (obj["float64"].dtype, obj["float64"].numel(), float(obj["float64"].sum())),
+        "read_only": (
+            obj["read_only"].size,
+            int(obj["read_only"][257]),
+            int(obj["read_only"].sum()),
+        ),
+        "strided": (tuple(grid.shape), float(grid[1, 1]), float(grid[-1, -1])),
+        "bf16": (obj["bf16"].dtype, obj["bf16"].tolist()),
+        "words": (len(obj["words"]), obj["words"][0], obj["words"][-1]),
+    }
+
+
+def expected_large_object(src: int) -> dict[str, Any]:
+    """Hand-derived description of :func:`_large_object` (independent of pickling)."""
+    n = (4 << 20) // 4 + 7
+    return {
+        "array": ((n,), float(src + 1), float((n - 1) * (src + 1))),
+        "small": [k * (src + 2) for k in range(10)],
+        "text": f"from rank {src}",
+        "float64": (torch.float64, 1 << 19, (float(src) + 0.5) * (1 << 19)),
+        "read_only": (4 << 20, 1, (255 * 256 // 2) * (1 << 14)),
+        "strided": ((2048, 512), 1024.0 + 2 + src, 2047 * 1024 + 1022 + src),
+        "bf16": (torch.bfloat16, [1.5 + src] * 3),
+        "words": (600_000, "w0", "w599999"),
+    }
+
+
+def broadcast_large_pieces(src: int, long_path: bool) -> dict[str, Any]:
+    """broadcast_object_list of :func:`_large_object` from ``src``; every rank records the
+    plan of messages it derived and how many collectives the call took."""
+    from comm_collectives import objects
+    from comm_collectives.protocol import inline_limit
+
+    rank = dist.get_rank()
+    group = torch_dist.distributed_c10d._get_default_group()
+    plans: list[list[tuple[int, int, int]]] = []
+    original = objects._broadcast_plan
+
+    def recording(*args: Any) -> list[tuple[int, int, int]]:
+        plan = original(*args)
+        plans.append(plan)
+        return plan
+
+    objects._broadcast_plan = recording  # type: ignore[assignment]
+    try:
+        box: list[Any] = [_large_object(src) if rank == src else None]
+        before = group._get_sequence_number_for_group()
+        if long_path:
+            with inline_limit(0):
+                dist.broadcast_object_list(box, src=src)
+        else:
+            dist.broadcast_object_list(box, src=src)
+        collectives = group._get_sequence_number_for_group() - before
+        # one big array alone: the handshake and one message, as for a copied frame
+        single: list[Any] = [np.full(1 << 21, 3.0) if rank == src else None]
+        before = group._get_sequence_number_for_group()
+        dist.broadcast_object_list(single, src=src)
+        single_collectives = group._get_sequence_number_for_group() - before
+    finally:
+        objects._broadcast_plan = original  # type: ignore[assignment]
+    return {
+        "object": _describe(box[0]),
+        "plans": plans,
+        "collectives": collectives,
+        "single": (float(single[0].min()), float(single[0].max()), single[0].size),
+        "single_collectives": single_collectives,
+    }

@@ -3,8 +3,11 @@
 Objects are pickled with protocol 5; tensors and numpy arrays inside them travel as raw
 buffers in the same message and come back as views of the receive buffer. A small object
 travels inside the handshake frame (one collective in all); a large one goes through a
-reusable buffer (see :mod:`comm_collectives.buffers`). A rank that
-cannot pickle its object makes every rank raise :class:`~comm_core.RemoteRankError`.
+reusable buffer (see :mod:`comm_collectives.buffers`). ``broadcast_object_list`` sends a
+piece of :data:`DIRECT_BYTES` or more (a large tensor, array or pickle stream) straight
+from its own memory: the frame's head rides in the handshake, so every rank knows the
+messages that follow. A rank that cannot pickle its object makes every rank raise
+:class:`~comm_core.RemoteRankError`.
 """
 
 from __future__ import annotations
@@ -18,8 +21,16 @@ import torch.distributed as torch_dist
 from comm_core import get_comm_device, get_rank, get_world_size
 
 from .buffers import empty_bytes
-from .protocol import Header, Inline, Peer, all_gather_flat, handshake, inline_payloads
-from .serialization import Encoded, decode, encode
+from .protocol import (
+    Header,
+    Inline,
+    Peer,
+    all_gather_flat,
+    handshake,
+    inline_capacity,
+    inline_payloads,
+)
+from .serialization import Encoded, decode, encode, frame_offsets, head_lengths
 from .tensors import _check_root, global_rank
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object"]
@@ -52,15 +63,17 @@ def _exchange(
     error: BaseException | None,
     group: torch_dist.ProcessGroup | None,
     root: int = -1,
+    payload: Inline | None = None,
 ) -> list[Peer]:
-    """The handshake of an object collective: frame sizes announced, small frames inline."""
+    """The handshake of an object collective: frame sizes announced, small frames inline
+    (``payload``: what to offer instead of the whole frame)."""
     return handshake(
         Header(
             operation, error=error, root=root, count=encoded.nbytes if encoded is not None else 0
         ),
         group,
         same=("root",) if root >= 0 else (),
-        payload=_inline(encoded),
+        payload=payload if payload is not None else _inline(encoded),
     )
 
 
@@ -175,20 +188,97 @@ def broadcast_object_list(
         return
     me = get_rank(group)
     encoded, error = _encode(data) if me == src else (None, None)
-    peers = _exchange("broadcast_object_list", encoded, error, group, root=src)
-    inline = peers[src].payload
-    if inline is not None:
+    payload = _inline(encoded)
+    if encoded is not None and _has_direct_piece(encoded):
+        payload = _prefix(encoded, inline_capacity(group))
+    peers = _exchange("broadcast_object_list", encoded, error, group, root=src, payload=payload)
+    inline, nbytes = peers[src].payload, peers[src].count
+    if inline is not None and inline.numel() == nbytes:  # the whole frame came inline
         if me != src:
             data[:] = decode(inline.cpu().numpy().copy())
         return
-    nbytes = peers[src].count
+    # the rest of the frame follows in the messages of a plan every rank derives alike
+    head = inline.cpu().numpy() if inline is not None else np.empty(0, dtype=np.uint8)
+    plan = _broadcast_plan(head_lengths(head), head.size, nbytes)
     device = get_comm_device(group)
+    root = global_rank(group, src)
     if me == src:
-        torch_dist.broadcast(
-            _send_tensor(encoded, nbytes, device), global_rank(group, src), group=group
-        )
+        assert encoded is not None  # it pickled, or the handshake raised
+        for first, end, piece in plan:
+            message = _plan_message(encoded, first, end, piece)
+            torch_dist.broadcast(message.to(device), root, group=group)
         return
     buffer = empty_bytes(nbytes, device)
-    torch_dist.broadcast(buffer, global_rank(group, src), group=group)
+    if inline is not None:
+        buffer[: inline.numel()].copy_(inline)
+    for first, end, _ in plan:
+        torch_dist.broadcast(buffer[first:end], root, group=group)
     frame: np.ndarray[Any, np.dtype[np.uint8]] = buffer.cpu().numpy()
     data[:] = decode(frame)
+
+
+# A piece of a broadcast frame at least this large is sent from its own memory instead of
+# being copied into a message first: one collective more, one copy (and its memory) less.
+DIRECT_BYTES = 4 << 20
+
+
+def _has_direct_piece(encoded: Encoded) -> bool:
+    return any(piece.nbytes >= DIRECT_BYTES for piece in encoded.pieces)
+
+
+def _prefix(encoded: Encoded, capacity: int) -> Inline:
+    """The first bytes of a frame that has direct pieces, offered to the handshake: its head
+    rides there, so the receivers know the plan before the first message."""
+    nbytes = min(encoded.nbytes, capacity)
+
+    def write(out: torch.Tensor) -> None:
+        host = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
+        encoded.write_into(host.numpy(), 0, nbytes)
+        if host is not out:
+            out.copy_(host)
+
+    return Inline(nbytes, write)
+
+
+def _broadcast_plan(
+    lengths: list[int] | None, start: int, nbytes: int
+) -> list[tuple[int, int, int]]:
+    """The messages that carry bytes ``[start, nbytes)`` of a frame.
+
+    Each is ``(first byte, end, piece)``: ``piece`` is the index of a piece of at least
+    :data:`DIRECT_BYTES` sent from its own memory, or -1 for a run of smaller pieces copied
+    into one message. ``lengths`` are the frame's piece lengths, None when the receivers
+    lack the head: then the rest goes as one copied run. The root and the receivers compute
+    the same plan from the same head.
+    """
+    if start >= nbytes:
+        return []
+    if lengths is None:
+        return [(start, nbytes, -1)]
+    plan: list[tuple[int, int, int]] = []
+    run: tuple[int, int] | None = None
+    for index, (offset, length) in enumerate(zip(frame_offsets(lengths), lengths, strict=True)):
+        first, end = max(offset, start), offset + length
+        if end <= first:
+            continue
+        if length >= DIRECT_BYTES:
+            if run is not None:
+                plan.append((*run, -1))
+                run = None
+            plan.append((first, end, index))
+        else:
+            run = (first if run is None else run[0], end)
+    if run is not None:
+        plan.append((*run, -1))
+    return plan
+
+
+def _plan_message(encoded: Encoded, first: int, end: int, piece: int) -> torch.Tensor:
+    """The root's message for bytes ``[first, end)`` of its frame (see :func:`_broadcast_plan`)."""
+    if piece < 0 or encoded.pieces[piece].readonly:  # never hand read-only memory to torch
+        message = empty_bytes(end - first, torch.device("cpu"))
+        encoded.write_into(message.numpy(), first, end)
+        return message
+    offset = frame_offsets([p.nbytes for p in encoded.pieces])[piece]
+    view = np.frombuffer(encoded.pieces[piece], dtype=np.uint8)[first - offset : end - offset]
+    return torch.from_numpy(view)

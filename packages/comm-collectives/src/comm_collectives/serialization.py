@@ -29,7 +29,9 @@ __all__ = [
     "dump",
     "encode",
     "frame_nbytes",
+    "frame_offsets",
     "frame_pieces",
+    "head_lengths",
     "load",
     "write_frame",
 ]
@@ -87,34 +89,72 @@ class _Pickler(pickle.Pickler):
         )
 
 
+# A frame: int64 [number of buffers, length of each piece] | pieces, each 64-byte aligned.
+# The first piece is the pickle stream, the others its out-of-band buffers.
+
+
+def frame_offsets(lengths: Sequence[int]) -> list[int]:
+    """Where each piece of a frame starts, for pieces of ``lengths`` bytes."""
+    offsets = []
+    offset = _aligned(8 * (1 + len(lengths)))
+    for length in lengths:
+        offsets.append(offset)
+        offset += _aligned(length)
+    return offsets
+
+
 def frame_nbytes(pieces: Sequence[memoryview]) -> int:
     """Size of the frame that holds ``pieces`` (the stream, then the buffers)."""
-    offset = _aligned(8 * (1 + len(pieces)))
-    for piece in pieces:
-        offset += _aligned(piece.nbytes)
-    return offset
+    if not pieces:
+        return _aligned(8)
+    return frame_offsets([p.nbytes for p in pieces])[-1] + _aligned(pieces[-1].nbytes)
 
 
-def write_frame(out: np.ndarray[Any, np.dtype[np.uint8]], pieces: Sequence[memoryview]) -> None:
-    """Lay ``pieces`` (the stream, then the buffers) out in ``out``, each 64-byte aligned."""
+def write_frame(
+    out: np.ndarray[Any, np.dtype[np.uint8]],
+    pieces: Sequence[memoryview],
+    start: int = 0,
+    stop: int | None = None,
+) -> None:
+    """Write bytes ``[start, stop)`` of the frame of ``pieces`` into ``out`` (the whole frame
+    by default). The padding between pieces is zeroed: no stale memory goes on the wire."""
+    stop = frame_nbytes(pieces) if stop is None else stop
     head = np.array([len(pieces) - 1, *(p.nbytes for p in pieces)], dtype=np.int64)
-    out[: head.nbytes] = head.view(np.uint8)
-    offset = _aligned(head.nbytes)
-    for piece in pieces:
-        out[offset : offset + piece.nbytes] = np.frombuffer(piece, dtype=np.uint8)
-        offset += _aligned(piece.nbytes)
+    parts = [(0, memoryview(head.tobytes()))]
+    parts += zip(frame_offsets([p.nbytes for p in pieces]), pieces)
+    cursor = start
+    for offset, piece in parts:
+        first, end = max(offset, start), min(offset + piece.nbytes, stop)
+        if end <= first:
+            continue
+        out[cursor - start : first - start] = 0
+        source = np.frombuffer(piece, dtype=np.uint8)
+        out[first - start : end - start] = source[first - offset : end - offset]
+        cursor = end
+    out[cursor - start : stop - start] = 0
+
+
+def head_lengths(prefix: np.ndarray[Any, np.dtype[np.uint8]]) -> list[int] | None:
+    """The piece lengths a frame's head gives, or None when ``prefix`` lacks part of the head."""
+    if prefix.size < 8:
+        return None
+    end = 8 * (2 + int(prefix[:8].view(np.int64)[0]))
+    if prefix.size < end:
+        return None
+    lengths: list[int] = prefix[8:end].view(np.int64).tolist()
+    return lengths
 
 
 def frame_pieces(frame: np.ndarray[Any, np.dtype[np.uint8]]) -> list[memoryview]:
     """The pieces of a frame (the stream, then the buffers), as views of ``frame``."""
-    n_buffers = int(frame[:8].view(np.int64)[0])
-    lengths = frame[8 : 8 * (2 + n_buffers)].view(np.int64).tolist()
-    offset = _aligned(8 * (2 + n_buffers))
-    pieces = []
-    for length in lengths:
-        pieces.append(frame[offset : offset + length].data)
-        offset += _aligned(length)
-    return pieces
+    lengths = head_lengths(frame)
+    if lengths is None:
+        message = f"a frame of {frame.size} bytes is shorter than its own head"
+        raise ValueError(message)
+    return [
+        frame[offset : offset + length].data
+        for offset, length in zip(frame_offsets(lengths), lengths, strict=True)
+    ]
 
 
 class Encoded:
@@ -126,9 +166,16 @@ class Encoded:
         self._pieces = [stream.getbuffer(), *buffers]
         self.nbytes = frame_nbytes(self._pieces)
 
-    def write_into(self, out: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        """Write the frame into the first :attr:`nbytes` bytes of ``out``."""
-        write_frame(out, self._pieces)
+    @property
+    def pieces(self) -> list[memoryview]:
+        """The pickle stream, then the out-of-band buffers."""
+        return self._pieces
+
+    def write_into(
+        self, out: np.ndarray[Any, np.dtype[np.uint8]], start: int = 0, stop: int | None = None
+    ) -> None:
+        """Write bytes ``[start, stop)`` of the frame (all of it by default) into ``out``."""
+        write_frame(out, self._pieces, start, stop)
 
     def to_tensor(self) -> torch.Tensor:
         """Return the frame as a new uint8 tensor of :attr:`nbytes` bytes."""
