@@ -207,7 +207,8 @@ def encode(obj: Any) -> Encoded:
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector: unpickling creates many containers and none
-    of them are garbage yet, so collections triggered meanwhile are pure cost (~30%)."""
+    of them are garbage yet, so collections triggered meanwhile are pure cost (for 20,000
+    results holding lists and tuples, 10x the unpickling itself)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
