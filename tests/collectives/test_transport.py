@@ -199,3 +199,26 @@ def test_broadcast_plan_by_hand() -> None:
     assert _broadcast_plan(None, 4096, 10_000) == [(4096, 10_000, -1)]
     assert _broadcast_plan(None, 0, 10_000) == [(0, 10_000, -1)]
     assert _broadcast_plan([1, 2], 4096, 4096) == []
+
+
+def test_a_padded_frame_sends_nothing_stale() -> None:
+    from comm_collectives.objects import _send_tensor
+    from comm_collectives.serialization import encode
+
+    width = 3 << 20
+    encoded = encode({"a": np.arange(1000, dtype=np.int64)})
+    whole = np.empty(encoded.nbytes, dtype=np.uint8)
+    encoded.write_into(whole)
+    for sent in (encoded, None):  # None: a rank whose object failed sends padding only
+        buffers.empty_cache()
+        stale = buffers.empty_bytes(width, torch.device("cpu"))
+        stale.numpy()[:] = 0xAB  # an earlier transfer's bytes, back in the cache below
+        del stale
+        frame = _send_tensor(sent, width, torch.device("cpu")).numpy()
+        assert buffers._pool.cached_bytes() == 0  # it reused the stale buffer
+        used = 0 if sent is None else encoded.nbytes
+        assert bytes(frame[:used]) == bytes(whole[:used])
+        assert frame.size == width
+        assert not frame[used:].any()
+        del frame
+    buffers.empty_cache()

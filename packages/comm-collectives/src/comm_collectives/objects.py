@@ -78,9 +78,13 @@ def _exchange(
 
 
 def _send_tensor(encoded: Encoded | None, width: int, device: torch.device) -> torch.Tensor:
+    """This rank's frame padded to ``width`` bytes, the padding zeroed: a reused buffer
+    holds earlier transfers, and none of that goes on the wire."""
     send = empty_bytes(width, torch.device("cpu"))
+    used = 0 if encoded is None else encoded.nbytes
     if encoded is not None:
         encoded.write_into(send.numpy())
+    send.numpy()[used:] = 0
     return send.to(device)
 
 
