@@ -141,11 +141,26 @@ def test_broadcast_sends_large_pieces_from_their_own_memory(
         assert r["single"] == (3.0, 3.0, 1 << 21)
         assert r["single_collectives"] == 2  # the handshake, then the array's own memory
     (plan, single) = plans
+    for r in results:  # only the root sends
+        assert (r["sent"] != []) is (r is results[src])
     if long_path:  # no head inline: the frame goes as one copied message
         assert len(plan) == 1
         assert (plan[0][0], plan[0][2]) == (0, -1)
         assert results[0]["collectives"] == 2
+        assert results[src]["sent"][0] == (-1, None)
         return
+    # the root's messages of the array and the tensor lie in their own memory; the
+    # read-only array is copied; the single array of the second call is piece 1
+    assert results[src]["sent"][len(plan) :] == [(1, None)]
+    assert results[src]["sent"][: len(plan)] == [
+        (0, None),
+        (1, "array"),
+        (-1, None),
+        (3, "float64"),
+        (4, None),
+        (5, None),
+        (-1, None),
+    ]
     # the stream and the five buffers of 4 MiB or more go from their own memory, in frame
     # order; the small buffers between them go copied, in runs
     direct = [(first, end, piece) for first, end, piece in plan if piece >= 0]

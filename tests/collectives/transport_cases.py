@@ -163,16 +163,31 @@ def broadcast_large_pieces(src: int, long_path: bool) -> dict[str, Any]:
     rank = dist.get_rank()
     group = torch_dist.distributed_c10d._get_default_group()
     plans: list[list[tuple[int, int, int]]] = []
-    original = objects._broadcast_plan
+    sent: list[tuple[int, str | None]] = []  # the root's messages: piece, memory they lie in
+    original, original_message = objects._broadcast_plan, objects._plan_message
+    obj = _large_object(src)
+    sources = {
+        "array": (obj["array"].ctypes.data, obj["array"].nbytes),
+        "float64": (obj["float64"].data_ptr(), obj["float64"].numel() * 8),
+        "read_only": (obj["read_only"].ctypes.data, obj["read_only"].nbytes),
+    }
 
     def recording(*args: Any) -> list[tuple[int, int, int]]:
         plan = original(*args)
         plans.append(plan)
         return plan
 
+    def recording_message(encoded: Any, first: int, end: int, piece: int) -> torch.Tensor:
+        message = original_message(encoded, first, end, piece)
+        address = message.data_ptr()
+        inside = [name for name, (a, n) in sources.items() if a <= address < a + n]
+        sent.append((piece, inside[0] if inside else None))
+        return message
+
     objects._broadcast_plan = recording  # type: ignore[assignment]
+    objects._plan_message = recording_message  # type: ignore[assignment]
     try:
-        box: list[Any] = [_large_object(src) if rank == src else None]
+        box: list[Any] = [obj if rank == src else None]
         before = group._get_sequence_number_for_group()
         if long_path:
             with inline_limit(0):
@@ -187,9 +202,11 @@ def broadcast_large_pieces(src: int, long_path: bool) -> dict[str, Any]:
         single_collectives = group._get_sequence_number_for_group() - before
     finally:
         objects._broadcast_plan = original  # type: ignore[assignment]
+        objects._plan_message = original_message  # type: ignore[assignment]
     return {
         "object": _describe(box[0]),
         "plans": plans,
+        "sent": sent,
         "collectives": collectives,
         "single": (float(single[0].min()), float(single[0].max()), single[0].size),
         "single_collectives": single_collectives,

@@ -43,18 +43,20 @@ def _encode(obj: Any) -> tuple[Encoded | None, BaseException | None]:
         return None, exc
 
 
-def _inline(encoded: Encoded | None) -> Inline | None:
-    """Offer a frame to the handshake: small objects travel inside it."""
+def _inline(encoded: Encoded | None, nbytes: int | None = None) -> Inline | None:
+    """Offer the first ``nbytes`` of a frame (all of it by default) to the handshake: small
+    objects travel inside it."""
     if encoded is None:
         return None
+    size = encoded.nbytes if nbytes is None else nbytes
 
     def write(out: torch.Tensor) -> None:
-        if out.device.type == "cpu":
-            encoded.write_into(out.numpy())
-        else:
-            out.copy_(encoded.to_tensor())
+        host = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
+        encoded.write_into(host.numpy(), 0, size)
+        if host is not out:
+            out.copy_(host)
 
-    return Inline(encoded.nbytes, write)
+    return Inline(size, write)
 
 
 def _exchange(
@@ -81,10 +83,10 @@ def _send_tensor(encoded: Encoded | None, width: int, device: torch.device) -> t
     """This rank's frame padded to ``width`` bytes, the padding zeroed: a reused buffer
     holds earlier transfers, and none of that goes on the wire."""
     send = empty_bytes(width, torch.device("cpu"))
-    used = 0 if encoded is None else encoded.nbytes
-    if encoded is not None:
-        encoded.write_into(send.numpy())
-    send.numpy()[used:] = 0
+    if encoded is None:
+        send.numpy()[:] = 0
+    else:
+        encoded.write_into(send.numpy(), 0, width)
     return send.to(device)
 
 
@@ -192,9 +194,10 @@ def broadcast_object_list(
         return
     me = get_rank(group)
     encoded, error = _encode(data) if me == src else (None, None)
-    payload = _inline(encoded)
+    payload = None  # the whole frame, when it fits
     if encoded is not None and _has_direct_piece(encoded):
-        payload = _prefix(encoded, inline_capacity(group))
+        # only the head, so the receivers know the plan before the first message
+        payload = _inline(encoded, min(encoded.nbytes, inline_capacity(group)))
     peers = _exchange("broadcast_object_list", encoded, error, group, root=src, payload=payload)
     inline, nbytes = peers[src].payload, peers[src].count
     if inline is not None and inline.numel() == nbytes:  # the whole frame came inline
@@ -228,20 +231,6 @@ DIRECT_BYTES = 4 << 20
 
 def _has_direct_piece(encoded: Encoded) -> bool:
     return any(piece.nbytes >= DIRECT_BYTES for piece in encoded.pieces)
-
-
-def _prefix(encoded: Encoded, capacity: int) -> Inline:
-    """The first bytes of a frame that has direct pieces, offered to the handshake: its head
-    rides there, so the receivers know the plan before the first message."""
-    nbytes = min(encoded.nbytes, capacity)
-
-    def write(out: torch.Tensor) -> None:
-        host = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
-        encoded.write_into(host.numpy(), 0, nbytes)
-        if host is not out:
-            out.copy_(host)
-
-    return Inline(nbytes, write)
 
 
 def _broadcast_plan(
@@ -283,6 +272,6 @@ def _plan_message(encoded: Encoded, first: int, end: int, piece: int) -> torch.T
         message = empty_bytes(end - first, torch.device("cpu"))
         encoded.write_into(message.numpy(), first, end)
         return message
-    offset = frame_offsets([p.nbytes for p in encoded.pieces])[piece]
-    view = np.frombuffer(encoded.pieces[piece], dtype=np.uint8)[first - offset : end - offset]
+    source = encoded.pieces[piece]  # a direct message always runs to the end of its piece
+    view = np.frombuffer(source, dtype=np.uint8)[source.nbytes - (end - first) :]
     return torch.from_numpy(view)

@@ -117,7 +117,8 @@ def write_frame(
     stop: int | None = None,
 ) -> None:
     """Write bytes ``[start, stop)`` of the frame of ``pieces`` into ``out`` (the whole frame
-    by default). The padding between pieces is zeroed: no stale memory goes on the wire."""
+    by default). The padding between pieces, and any byte past the frame's end, is zeroed:
+    no stale memory goes on the wire."""
     stop = frame_nbytes(pieces) if stop is None else stop
     head = np.array([len(pieces) - 1, *(p.nbytes for p in pieces)], dtype=np.int64)
     parts = [(0, memoryview(head.tobytes()))]
@@ -176,12 +177,6 @@ class Encoded:
     ) -> None:
         """Write bytes ``[start, stop)`` of the frame (all of it by default) into ``out``."""
         write_frame(out, self._pieces, start, stop)
-
-    def to_tensor(self) -> torch.Tensor:
-        """Return the frame as a new uint8 tensor of :attr:`nbytes` bytes."""
-        out = torch.empty(self.nbytes, dtype=torch.uint8)
-        self.write_into(out.numpy())
-        return out
 
 
 def dump(obj: Any, file: Any) -> list[memoryview]:
