@@ -1,0 +1,246 @@
+"""MMEngine's string and dict forms of FSDP options, turned into torch's objects.
+
+Shared by the FSDP1 and FSDP2 wrappers. The caller's dicts are copied, never mutated; an
+unknown name raises a ValueError that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import wrap as fsdp_wrap
+
+from .optim import to_dtype
+
+__all__ = [
+    "coerce_auto_wrap_policy",
+    "coerce_enum",
+    "coerce_modules",
+    "coerce_param_init_fn",
+    "register_param_init_fn",
+]
+
+E = TypeVar("E", bound=enum.Enum)
+
+_POLICIES: dict[str, Callable[..., bool]] = {
+    "size_based_auto_wrap_policy": fsdp_wrap.size_based_auto_wrap_policy,
+    "transformer_auto_wrap_policy": fsdp_wrap.transformer_auto_wrap_policy,
+    "lambda_auto_wrap_policy": fsdp_wrap.lambda_auto_wrap_policy,
+}
+
+
+def _names(options: Iterable[str]) -> str:
+    return ", ".join(sorted(options))
+
+
+def coerce_enum(value: Any, enum_type: type[E], option: str) -> E | None:
+    """``"FULL_SHARD"`` (any case) or the enum member itself -> the member; None stays None."""
+    if value is None or isinstance(value, enum_type):
+        return value
+    if isinstance(value, str) and value.upper() in enum_type.__members__:
+        return enum_type.__members__[value.upper()]
+    message = (
+        f"{option} must be a {enum_type.__name__} or one of its names "
+        f"({_names(enum_type.__members__)}), got {value!r}"
+    )
+    raise ValueError(message)
+
+
+def _classes_by_name(module: nn.Module) -> dict[str, type[nn.Module]]:
+    return {type(m).__name__: type(m) for m in module.modules()}
+
+
+def _resolve_classes(names: Iterable[Any], module: nn.Module, option: str) -> set[type[nn.Module]]:
+    known = _classes_by_name(module)
+    classes: set[type[nn.Module]] = set()
+    for item in names:
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            classes.add(item)
+        elif isinstance(item, str) and item in known:
+            classes.add(known[item])
+        else:
+            message = (
+                f"{option}: {item!r} is not a module class of the model; the model's classes "
+                f"are {_names(known)}"
+            )
+            raise ValueError(message)
+    return classes
+
+
+def coerce_auto_wrap_policy(value: Any, module: nn.Module) -> Any:
+    """Turn MMEngine's forms of ``auto_wrap_policy`` into a policy torch's FSDP accepts.
+
+    Accepted: None; a callable or torch policy object (unchanged); a policy name
+    (``"size_based_auto_wrap_policy"``...); ``dict(type=name, **kwargs)`` (kwargs bound, and
+    ``transformer_layer_cls`` may give class names); a module class, a class name, or a
+    list/set of them (every instance of those classes becomes its own FSDP unit).
+    """
+    if value is None or (callable(value) and not isinstance(value, (str, type))):
+        return value
+    if isinstance(value, Mapping):
+        kwargs = dict(value)
+        name = kwargs.pop("type", None)
+        if not isinstance(name, str) or name not in _POLICIES:
+            message = (
+                f"auto_wrap_policy dict needs type= one of {_names(_POLICIES)}, got {name!r}"
+            )
+            raise ValueError(message)
+        if "transformer_layer_cls" in kwargs:
+            kwargs["transformer_layer_cls"] = _resolve_classes(
+                _as_list(kwargs["transformer_layer_cls"]), module, "transformer_layer_cls"
+            )
+        return functools.partial(_POLICIES[name], **kwargs)
+    if isinstance(value, str) and value in _POLICIES:
+        policy = _POLICIES[value]
+        if value != "size_based_auto_wrap_policy":
+            message = f"auto_wrap_policy {value!r} needs arguments: pass dict(type={value!r}, ...)"
+            raise ValueError(message)
+        return policy
+    if isinstance(value, (str, type, list, tuple, set, frozenset)):
+        try:
+            classes = _resolve_classes(_as_list(value), module, "auto_wrap_policy")
+        except ValueError as error:
+            message = (
+                f"{error}; auto_wrap_policy may also be a policy name "
+                f"({_names(_POLICIES)}) or dict(type=name, ...)"
+            )
+            raise ValueError(message) from None
+        return fsdp_wrap.ModuleWrapPolicy(classes)
+    message = (
+        "auto_wrap_policy must be a callable, a policy name, dict(type=..., ...), or module "
+        f"classes / class names, got {type(value).__name__}"
+    )
+    raise TypeError(message)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    return [value]
+
+
+def wrap_predicate(policy: Any) -> Callable[[nn.Module, int], bool] | None:
+    """Turn an FSDP1 policy into ``predicate(module, unwrapped_numel) -> wrap it?`` (FSDP2)."""
+    if policy is None:
+        return None
+    if isinstance(policy, fsdp_wrap.ModuleWrapPolicy):
+        classes = tuple(policy._module_classes)
+        return lambda module, numel: isinstance(module, classes)
+    if callable(policy):
+        return lambda module, numel: bool(
+            policy(module=module, recurse=False, nonwrapped_numel=numel)
+        )
+    message = f"this auto_wrap_policy cannot drive FSDP2: {policy!r}"
+    raise TypeError(message)
+
+
+def coerce_mixed_precision(value: Any, target: type, fields: Iterable[str]) -> Any:
+    """``dict(param_dtype="bfloat16", ...)`` or a dtype name -> ``target(...)`` with dtypes."""
+    if value is None or isinstance(value, target):
+        return value
+    allowed = set(fields)
+    if isinstance(value, (str, torch.dtype)):
+        dtype = to_dtype(value, "mixed_precision")
+        return target(**{f: dtype for f in ("param_dtype", "reduce_dtype") if f in allowed})
+    if not isinstance(value, Mapping):
+        message = (
+            f"mixed_precision must be a {target.__name__}, a dict of its fields or a dtype name, "
+            f"got {type(value).__name__}"
+        )
+        raise TypeError(message)
+    unknown = set(value) - allowed
+    if unknown:
+        message = (
+            f"mixed_precision: unknown field(s) {_names(unknown)} for {target.__name__}; "
+            f"valid fields: {_names(allowed)}"
+        )
+        raise ValueError(message)
+    kwargs = {
+        key: to_dtype(item, f"mixed_precision[{key!r}]") if key.endswith("_dtype") and item is not None else item
+        for key, item in value.items()
+    }
+    return target(**kwargs)
+
+
+def coerce_modules(value: Any, module: nn.Module, option: str) -> Any:
+    """Module names (``"head.fc"``) in ``ignored_modules`` -> the submodules themselves."""
+    if value is None:
+        return None
+    out = []
+    items = [value] if isinstance(value, (str, nn.Module)) else list(value)
+    for item in items:
+        if isinstance(item, str):
+            try:
+                out.append(module.get_submodule(item))
+            except AttributeError:
+                names = [n for n, _ in module.named_modules() if n]
+                message = f"{option}: the model has no submodule {item!r}; it has {_names(names)}"
+                raise ValueError(message) from None
+        else:
+            out.append(item)
+    return out
+
+
+_PARAM_INIT_FNS: dict[str, Callable[..., None]] = {}
+
+
+def register_param_init_fn(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register a ``param_init_fn`` under a name, for ``param_init_fn="name"`` or ``dict(type=...)``.
+
+    Examples:
+        >>> @register_param_init_fn("zeros_on_cpu")
+        ... def zeros_on_cpu(module):
+        ...     module.to_empty(device="cpu", recurse=False)
+    """
+
+    def decorate(fn: Callable[..., None]) -> Callable[..., None]:
+        _PARAM_INIT_FNS[name] = fn
+        return fn
+
+    return decorate
+
+
+@register_param_init_fn("reset_parameters")
+def _reset_parameters(module: nn.Module, device: str | torch.device = "cpu") -> None:
+    """Materialise a meta module on ``device`` and run its own ``reset_parameters``."""
+    module.to_empty(device=device, recurse=False)
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def coerce_param_init_fn(value: Any) -> Callable[[nn.Module], None] | None:
+    """A callable, a registered name or dotted path, or ``dict(type=name, **kwargs)``."""
+    if value is None or callable(value):
+        return value
+    kwargs: dict[str, Any] = {}
+    if isinstance(value, Mapping):
+        kwargs = dict(value)
+        value = kwargs.pop("type", None)
+    if isinstance(value, str):
+        fn = _PARAM_INIT_FNS.get(value) or _import_function(value)
+        if fn is not None:
+            return functools.partial(fn, **kwargs) if kwargs else fn
+    message = (
+        "param_init_fn must be a callable, a registered name "
+        f"({_names(_PARAM_INIT_FNS)}), a dotted path 'package.module.function', or "
+        f"dict(type=name, **kwargs); got {value!r}"
+    )
+    raise ValueError(message)
+
+
+def _import_function(path: str) -> Callable[..., None] | None:
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        return None
+    try:
+        fn = getattr(importlib.import_module(module_name), attr, None)
+    except ImportError:
+        return None
+    return fn if callable(fn) else None

@@ -1,0 +1,93 @@
+"""`MMSeparateDistributedDataParallel`: one DDP per child, for models with several optimizers."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from comm_collectives import get_device
+
+from ._registry import register_model_wrapper
+from .ddp import MMDistributedDataParallel, require_process_group
+
+__all__ = ["MMSeparateDistributedDataParallel"]
+
+
+@register_model_wrapper
+class MMSeparateDistributedDataParallel(nn.Module):
+    """Wrap every child of ``module`` that has trainable parameters in its own DDP.
+
+    For models that step several optimizers, each over its own part (GANs): the model's
+    own ``train_step(data, optim_wrappers)`` runs, and each part synchronises its
+    gradients on its own. Children with no trainable parameters are moved to the device
+    and left unwrapped.
+
+    Unlike MMEngine's class, ``no_sync()`` works for any number of children (and children
+    without parameters), and ``module`` is changed only once every child is wrapped.
+
+    Args:
+        module: The model; its direct children are wrapped.
+        broadcast_buffers: Passed to each child's DDP.
+        find_unused_parameters: Passed to each child's DDP.
+        **kwargs: Other DDP keywords, passed to each child's DDP.
+
+    Raises:
+        NotInitializedError: No process group is initialised.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        broadcast_buffers: bool = False,
+        find_unused_parameters: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        require_process_group(type(self).__name__)
+        super().__init__()
+        device = torch.device(get_device())
+        wrapped: dict[str, nn.Module] = {}
+        for name, child in module.named_children():
+            child = child.to(device)
+            if any(p.requires_grad for p in child.parameters()):
+                wrapped[name] = MMDistributedDataParallel(
+                    child,
+                    broadcast_buffers=broadcast_buffers,
+                    find_unused_parameters=find_unused_parameters,
+                    **kwargs,
+                )
+            else:
+                wrapped[name] = child
+        # Every child wrapped: only now is the caller's module changed.
+        for name, child in wrapped.items():
+            setattr(module, name, child)
+        module.to(device)  # parameters and buffers held by the module itself
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the model (its children synchronise through their own DDP)."""
+        return self.module(*args, **kwargs)
+
+    def train_step(self, data: Any, optim_wrapper: Any) -> Any:
+        """Run the model's own ``train_step`` (it steps each optimizer wrapper)."""
+        return self.module.train_step(data, optim_wrapper)
+
+    def val_step(self, data: Any) -> Any:
+        """Run the model's own ``val_step``."""
+        return self.module.val_step(data)
+
+    def test_step(self, data: Any) -> Any:
+        """Run the model's own ``test_step``."""
+        return self.module.test_step(data)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the gradient sync of every wrapped child."""
+        with contextlib.ExitStack() as stack:
+            for child in self.module.children():
+                if isinstance(child, MMDistributedDataParallel):
+                    stack.enter_context(child.no_sync())
+            yield
