@@ -39,3 +39,18 @@ ensure_apt() {
   # shellcheck disable=SC2086
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $packages >/dev/null
 }
+
+DEEPSPEED_VERSION="0.19.8"
+
+# ensure_deepspeed ENV: install DeepSpeed into the hatch environment ENV unless it is there.
+# Its sdist's build imports torch: build it against the environment's torch, without
+# isolation. JIT-built ops go to .tools/torch-extensions, reused by later runs.
+ensure_deepspeed() {
+  local env="$1"
+  export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.tools/torch-extensions}"
+  hatch env create "$env" >/dev/null 2>&1 || true
+  if ! hatch run "$env":python -c "import deepspeed" >/dev/null 2>&1; then
+    log "installing DeepSpeed $DEEPSPEED_VERSION into the $env environment"
+    hatch run "$env":python -m pip install --quiet --no-build-isolation "deepspeed==$DEEPSPEED_VERSION"
+  fi
+}

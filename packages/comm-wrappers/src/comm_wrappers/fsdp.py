@@ -77,7 +77,8 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         module: The model.
         process_group: The group to shard over; default the world.
         sharding_strategy: ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD``...
-        cpu_offload: Keep parameters (and gradients) on the CPU between uses.
+        cpu_offload: Keep parameters (and gradients) on the CPU between uses. A no-op when
+            FSDP runs on the CPU (the parameters are there already).
         auto_wrap_policy: Which submodules become their own FSDP unit.
         backward_prefetch: ``BACKWARD_PRE`` or ``BACKWARD_POST``.
         mixed_precision: Dtypes for parameters, gradient reduction and buffers.
@@ -107,11 +108,16 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     ) -> None:
         require_process_group(type(self).__name__)
         kwargs.setdefault("device_id", default_device_id())
+        offload = _coerce_cpu_offload(cpu_offload)
+        if offload is not None and torch.device(kwargs["device_id"]).type == "cpu":
+            # The parameters live on the CPU already, and torch's offload path pins memory,
+            # which needs an accelerator: on a CPU device offloading is a no-op.
+            offload = CPUOffload(offload_params=False)
         super().__init__(
             module,
             process_group=process_group,
             sharding_strategy=coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy"),
-            cpu_offload=_coerce_cpu_offload(cpu_offload),
+            cpu_offload=offload,
             auto_wrap_policy=coerce_auto_wrap_policy(auto_wrap_policy, module),
             backward_prefetch=coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch"),
             mixed_precision=coerce_mixed_precision(
