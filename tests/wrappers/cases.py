@@ -510,3 +510,9 @@ def param_init_fn_dict() -> dict[str, Any]:
         "same_on_ranks": all(g == gathered[0] for g in gathered),
         "untouched": spec == original,
     }
+
+
+def doctor_check() -> list[tuple[str, bool, str]]:
+    from comm_wrappers.doctor import check
+
+    return [(r.name, r.ok, r.detail) for r in check()]

@@ -248,3 +248,19 @@ def test_loss_model_adapter() -> None:
         model(torch.ones(1, 2), mode="loss")
     with pytest.raises(ValueError, match="mode must be one of 'loss', 'predict', 'tensor'"):
         model(torch.ones(1, 2), mode="train")
+
+
+def test_doctor_check_runs_one_ddp_step(run_distributed: Any) -> None:
+    for results in run_distributed(cases.doctor_check, world_size=3):
+        (name, ok, detail), deepspeed_row = results
+        assert (name, ok) == ("ddp train_step", True), detail
+        assert deepspeed_row[0] == "deepspeed"
+
+
+def test_deepspeed_module_without_deepspeed_says_how_to_install() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("DeepSpeed is installed here; this checks an environment without it")
+    with pytest.raises(ImportError, match=r'pip install --no-build-isolation "comm-wrappers\[deepspeed\]"'):
+        import comm_wrappers.deepspeed  # noqa: F401

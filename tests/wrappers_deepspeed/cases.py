@@ -1,0 +1,135 @@
+"""DeepSpeed cases run on every rank of a real gloo world (needs the ``deepspeed`` extra).
+
+Each case trains through ``comm_wrappers.deepspeed`` and compares the full parameters with
+the one-process oracle and with DDP trained the same way (``tests.wrappers.cases``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+
+import comm_collectives as dist
+from comm_wrappers import OptimWrapper, is_model_wrapper, unwrap_model
+from comm_wrappers.deepspeed import DeepSpeedOptimWrapper, MMDeepSpeedEngineWrapper, initialize
+from tests.wrappers.cases import (
+    BATCH,
+    batch,
+    make_net,
+    make_optimizer,
+    max_diff,
+    oracle,
+    params_of,
+    train,
+    wrap,
+)
+
+
+def ds_config(stage: int, accum: int, clip: float | None, bf16: bool, torch_adam: bool) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": accum,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": bf16},
+    }
+    if clip is not None:
+        config["gradient_clipping"] = clip
+    if torch_adam:
+        # The config's optimizer, with torch's implementation: no C++ build.
+        params = {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True}
+        config["optimizer"] = {"type": "AdamW", "params": params}
+    return config
+
+
+def full_params(wrapper: MMDeepSpeedEngineWrapper) -> dict[str, torch.Tensor]:
+    module = wrapper.model.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return {n: p.detach().float().clone() for n, p in module.named_parameters()}
+
+
+def equivalence(
+    stage: int,
+    steps: int = 3,
+    accum: int = 1,
+    clip: float | None = None,
+    bf16: bool = False,
+    torch_adam: bool = False,
+) -> dict[str, Any]:
+    """Train under ZeRO ``stage``; differences to the oracle and to DDP with torch AdamW."""
+    model = make_net()
+    optimizer = None if torch_adam else make_optimizer(model.parameters(), "adamw")
+    config = ds_config(stage, accum, clip, bf16, torch_adam)
+    original = repr(config)
+    # A bf16 engine runs the model in bf16: its float inputs must be cast too.
+    wrapper, optim = initialize(model, config, optimizer, inputs_to_half=[0] if bf16 else None)
+    rank = dist.get_rank()
+    boundaries = []
+    for step in range(steps):
+        for micro in range(accum):
+            log_vars = wrapper.train_step(batch(step, micro, rank), optim)
+            assert list(log_vars) == ["loss", "mean_out"], list(log_vars)
+            boundaries.append(optim.should_update())
+    got = full_params(wrapper)
+    expected = oracle(steps, accum, dist.get_world_size(), clip=clip, optimizer="adamw")
+    reference = wrap("ddp")
+    train(reference, steps, accum, clip=clip, optimizer="adamw")
+    return {
+        "oracle": max_diff(got, expected),
+        "ddp": max_diff(got, params_of(reference)),
+        "config_untouched": repr(config) == original,
+        "global_steps": wrapper.global_steps,  # looked up on the engine
+        "lr": optim.get_lr(),
+    }
+
+
+def step_api() -> dict[str, Any]:
+    """zero_grad, optim_context, val_step, the registry and the boundary flag on an engine."""
+    model = make_net()
+    optimizer = make_optimizer(model.parameters(), "adamw")
+    wrapper, optim = initialize(model, ds_config(2, 2, None, False, False), optimizer)
+    inputs, targets = batch(0, 0, dist.get_rank())
+    with optim.optim_context(wrapper):
+        loss = wrapper(inputs, targets, mode="loss")["loss"]
+    optim.backward(loss)
+    # Not a boundary after 1 of 2 micro-steps: the engine's step does not update yet.
+    boundary_after_first = optim.should_update()
+    before = full_params(wrapper)
+    optim.step()
+    unchanged = max_diff(before, full_params(wrapper))
+    optim.zero_grad()
+    grads_cleared = all(
+        p.grad is None or not bool(p.grad.any()) for p in wrapper.model.module.parameters()
+    )
+    with torch.no_grad():
+        expected = make_net()(inputs)
+    predicted = wrapper.val_step((inputs, targets))
+    plain = DeepSpeedOptimWrapper(optimizer)
+    try:
+        plain.step()
+    except RuntimeError as error:
+        unbound = str(error)
+    else:
+        unbound = ""
+    return {
+        "boundary_after_first": boundary_after_first,
+        "unchanged_before_boundary": unchanged,
+        "grads_cleared": grads_cleared,
+        "prediction": float((predicted - expected).abs().max()),
+        "is_wrapper": (is_model_wrapper(wrapper), is_model_wrapper(wrapper.model)),
+        "unwrapped": unwrap_model(wrapper) is model,
+        "unbound": unbound,
+        "not_ours": isinstance(optim, OptimWrapper),
+    }
+
+
+def inputs_to_half() -> str:
+    """bf16 engines get the named inputs cast to bf16."""
+    model = make_net()
+    config = ds_config(0, 1, None, True, False)
+    wrapper, _ = initialize(
+        model, config, make_optimizer(model.parameters(), "adamw"), inputs_to_half=[0]
+    )
+    cast = wrapper._cast_inputs_half(batch(0, 0, 0))
+    return f"{cast[0].dtype} {cast[1].dtype}"

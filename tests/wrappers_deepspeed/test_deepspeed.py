@@ -1,0 +1,63 @@
+"""DeepSpeed ZeRO 0-3 on CPU/gloo equals DDP with the same torch AdamW, through the step API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from . import cases
+
+EXACT = 1e-6
+# bf16: DeepSpeed keeps fp32 master weights, but forward and backward run in bf16.
+BF16 = 2e-2
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_equals_ddp_with_torch_adamw(run_distributed: Any, stage: int) -> None:
+    for result in run_distributed(cases.equivalence, stage, timeout=180):
+        assert result["oracle"] < EXACT
+        assert result["ddp"] < EXACT
+        assert result["config_untouched"]
+        assert result["global_steps"] == 3
+        assert result["lr"] == {"lr": [0.01]}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_and_clipping_from_the_config(run_distributed: Any, stage: int) -> None:
+    for result in run_distributed(cases.equivalence, stage, accum=2, clip=0.05, timeout=180):
+        assert result["oracle"] < EXACT
+        assert result["ddp"] < EXACT
+        assert result["global_steps"] == 3  # 6 micro-steps, 2 per update
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_config_optimizer_with_torch_adam(run_distributed: Any, stage: int) -> None:
+    for result in run_distributed(cases.equivalence, stage, torch_adam=True, timeout=180):
+        assert result["oracle"] < EXACT
+        assert result["ddp"] < EXACT
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_bf16(run_distributed: Any, stage: int) -> None:
+    for result in run_distributed(cases.equivalence, stage, bf16=True, timeout=180):
+        assert result["oracle"] < BF16
+        assert result["ddp"] < BF16
+
+
+def test_zero_grad_optim_context_and_val_step(run_distributed: Any) -> None:
+    for result in run_distributed(cases.step_api, timeout=180):
+        assert result["boundary_after_first"] is False
+        assert result["unchanged_before_boundary"] == 0.0
+        assert result["grads_cleared"]
+        assert result["prediction"] < EXACT
+        assert result["is_wrapper"] == (True, True)
+        assert result["unwrapped"]
+        assert "pass model=engine to the constructor" in result["unbound"]
+
+
+def test_inputs_to_half(run_distributed: Any) -> None:
+    assert run_distributed(cases.inputs_to_half, timeout=180) == [
+        "torch.bfloat16 torch.float32",
+        "torch.bfloat16 torch.float32",
+    ]
