@@ -55,7 +55,13 @@ def main() -> int:
                 problems.append(f"{dist} declares {spec!r}; use a bounded range such as >=0.1,<0.2")
         if below and below not in declared:
             problems.append(f"{dist} does not declare {below}, the layer beneath it")
-        allowed = {n.replace("-", "_") for n in declared} | {module}
+        # An extra's packages may be imported too (by the modules that need the extra).
+        extras = {
+            re.split(r"[<>=!~ \[;]", dep, maxsplit=1)[0].strip().lower()
+            for deps in meta.get("optional-dependencies", {}).values()
+            for dep in deps
+        }
+        allowed = {n.replace("-", "_") for n in set(declared) | extras} | {module}
         upper = {layer.replace("-", "_") for layer in LAYERS[index + 1 :]}
         for path in sorted((folder / "src").rglob("*.py")):
             relative = path.relative_to(folder / "src").as_posix()

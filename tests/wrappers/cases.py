@@ -226,9 +226,7 @@ def fsdp_val_test_steps(kind: str) -> float:
         expected = make_net()(inputs)
     got_val = model.val_step((inputs, targets))  # type: ignore[operator]
     got_test = model.test_step({"inputs": inputs})  # type: ignore[operator]
-    return max(
-        float((got_val - expected).abs().max()), float((got_test - expected).abs().max())
-    )
+    return max(float((got_val - expected).abs().max()), float((got_test - expected).abs().max()))
 
 
 # ---------------------------------------------------------------- separate DDP (GAN)
@@ -277,8 +275,12 @@ def separate_ddp_gan(accum: int = 2, steps: int = 2) -> dict[str, Any]:
     model = MMSeparateDistributedDataParallel(gan)
     wrapped = {n: type(c).__name__ for n, c in gan.named_children()}
     wrappers = OptimWrapperDict(
-        generator=OptimWrapper(torch.optim.SGD(gan.generator.parameters(), lr=0.1), accumulative_counts=accum),
-        discriminator=OptimWrapper(torch.optim.SGD(gan.discriminator.parameters(), lr=0.05), accumulative_counts=accum),
+        generator=OptimWrapper(
+            torch.optim.SGD(gan.generator.parameters(), lr=0.1), accumulative_counts=accum
+        ),
+        discriminator=OptimWrapper(
+            torch.optim.SGD(gan.discriminator.parameters(), lr=0.05), accumulative_counts=accum
+        ),
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(steps):
@@ -387,7 +389,11 @@ def mmengine_interop(kind: str, optim_kind: str) -> dict[str, float]:
     else:
         wrapped = MMFullyShardedDataParallel2(model)
     optim = make_optimizer(wrapped.parameters(), "sgd")
-    wrapper: Any = MMOptimWrapper(optim, accumulative_counts=2) if optim_kind == "mmengine" else OptimWrapper(optim, accumulative_counts=2)
+    wrapper: Any = (
+        MMOptimWrapper(optim, accumulative_counts=2)
+        if optim_kind == "mmengine"
+        else OptimWrapper(optim, accumulative_counts=2)
+    )
     rank = dist.get_rank()
     for step in range(2):
         for micro in range(2):
@@ -434,15 +440,24 @@ def bad_inputs() -> dict[str, Any]:
         "policy": error_of(lambda: wrap("fsdp", auto_wrap_policy={"type": "size_policy"})),
         "policy_class": error_of(lambda: wrap("fsdp", auto_wrap_policy="Block")),
         "mixed": error_of(lambda: wrap("fsdp", mixed_precision={"param_dtype": "bf17"})),
-        "mixed2_buffer": error_of(lambda: wrap("fsdp2", mixed_precision={"buffer_dtype": "bfloat16"})),
+        "mixed2_buffer": error_of(
+            lambda: wrap("fsdp2", mixed_precision={"buffer_dtype": "bfloat16"})
+        ),
         "init_fn": error_of(lambda: wrap("fsdp", param_init_fn="no_such_init")),
         "ignored": error_of(lambda: wrap("fsdp", ignored_modules=["nope"])),
-        "clip": error_of(lambda: OptimWrapper(make_optimizer(make_net().parameters(), "sgd"), clip_grad={"type": "l2"})),
+        "clip": error_of(
+            lambda: OptimWrapper(
+                make_optimizer(make_net().parameters(), "sgd"), clip_grad={"type": "l2"}
+            )
+        ),
     }
     # The accepted forms work and the caller's dicts are left as they were.
     fsdp = wrap("fsdp", auto_wrap_policy=policy, mixed_precision=mixed, cpu_offload=False)
     fsdp2 = wrap("fsdp2", auto_wrap_policy=["Linear"], mixed_precision=mixed)
-    out["configs_untouched"] = policy == {"type": "size_based_auto_wrap_policy", "min_num_params": 10} and mixed == {"param_dtype": "bfloat16"}
+    out["configs_untouched"] = policy == {
+        "type": "size_based_auto_wrap_policy",
+        "min_num_params": 10,
+    } and mixed == {"param_dtype": "bfloat16"}
     out["fsdp_units"] = sum(isinstance(m, FullyShardedDataParallel) for m in fsdp.modules())
     from torch.distributed.fsdp import FSDPModule
 

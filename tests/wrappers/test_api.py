@@ -35,7 +35,8 @@ def test_bad_options_say_what_is_valid(run_distributed: Any) -> None:
         assert "size_based_auto_wrap_policy, transformer_auto_wrap_policy" in r["policy"][1]
         assert "'Block' is not a module class of the model" in r["policy_class"][1]
         assert "classes are Linear, Net" in r["policy_class"][1]
-        assert "'bf16', 'bfloat16'" in r["mixed"][1] and "got 'bf17'" in r["mixed"][1]
+        assert "'bf16', 'bfloat16'" in r["mixed"][1]
+        assert "got 'bf17'" in r["mixed"][1]
         assert "unknown field(s) buffer_dtype for MixedPrecisionPolicy" in r["mixed2_buffer"][1]
         assert "registered name (reset_parameters)" in r["init_fn"][1]
         assert "no submodule 'nope'; it has head, lin1, lin2" in r["ignored"][1]
@@ -153,7 +154,7 @@ def test_clip_by_value_and_by_norm_in_one_process() -> None:
 
 def test_optim_wrapper_validates_its_arguments() -> None:
     params = _linear().parameters()
-    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer, got list"):
+    with pytest.raises(TypeError, match=r"must be a torch\.optim\.Optimizer, got list"):
         OptimWrapper([1, 2])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="accumulative_counts must be >= 1, got 0"):
         OptimWrapper(torch.optim.SGD(params, lr=1.0), accumulative_counts=0)
@@ -203,7 +204,7 @@ def test_amp_float16_scaler_state_round_trips_without_mutating() -> None:
     assert other.loss_scaler.get_scale() == 512.0
     with pytest.raises(ValueError, match="loss_scale must be 'dynamic', a number or a dict"):
         AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=1.0), dtype="fp16", loss_scale="x")
-    with pytest.raises(ValueError, match="dtype must be a torch.dtype or one of"):
+    with pytest.raises(ValueError, match=r"dtype must be a torch\.dtype or one of"):
         AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=1.0), dtype="float8")
 
 
@@ -229,14 +230,20 @@ def test_optim_wrapper_dict() -> None:
 
 def test_parse_losses_follows_mmengine() -> None:
     loss, log_vars = parse_losses(
-        {"loss_cls": torch.tensor([1.0, 3.0]), "loss_box": [torch.tensor(1.0), torch.tensor([2.0, 4.0])], "acc": torch.tensor(0.5)}
+        {
+            "loss_cls": torch.tensor([1.0, 3.0]),
+            "loss_box": [torch.tensor(1.0), torch.tensor([2.0, 4.0])],
+            "acc": torch.tensor(0.5),
+        }
     )
     assert float(loss) == 2.0 + 4.0  # mean 2, plus 1 + mean 3
     assert list(log_vars) == ["loss", "loss_cls", "loss_box", "acc"]
     assert float(log_vars["acc"]) == 0.5
     with pytest.raises(ValueError, match="no key of the losses contains 'loss'"):
         parse_losses({"acc": torch.tensor(1.0)})
-    with pytest.raises(TypeError, match="loss 'loss' must be a tensor or a list of tensors, got float"):
+    with pytest.raises(
+        TypeError, match="loss 'loss' must be a tensor or a list of tensors, got float"
+    ):
         parse_losses({"loss": 1.0})
 
 
@@ -262,5 +269,7 @@ def test_deepspeed_module_without_deepspeed_says_how_to_install() -> None:
 
     if importlib.util.find_spec("deepspeed") is not None:
         pytest.skip("DeepSpeed is installed here; this checks an environment without it")
-    with pytest.raises(ImportError, match=r'pip install --no-build-isolation "comm-wrappers\[deepspeed\]"'):
+    with pytest.raises(
+        ImportError, match=r'pip install --no-build-isolation "comm-wrappers\[deepspeed\]"'
+    ):
         import comm_wrappers.deepspeed  # noqa: F401

@@ -23,9 +23,7 @@ FSDP1_STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ddp_equals_one_process_on_the_concatenated_batch(
-    run_distributed: Any, world: int
-) -> None:
+def test_ddp_equals_one_process_on_the_concatenated_batch(run_distributed: Any, world: int) -> None:
     for result in run_distributed(cases.equivalence, "ddp", world_size=world):
         assert result["oracle"] < EXACT
 
@@ -75,7 +73,10 @@ def test_fsdp2_equals_ddp(run_distributed: Any, offload: bool, world: int) -> No
     ("kind", "options"),
     [
         ("fsdp", {}),
-        ("fsdp", {"auto_wrap_policy": {"type": "size_based_auto_wrap_policy", "min_num_params": 20}}),
+        (
+            "fsdp",
+            {"auto_wrap_policy": {"type": "size_based_auto_wrap_policy", "min_num_params": 20}},
+        ),
         ("fsdp2", {}),
         ("fsdp2", {"auto_wrap_policy": ["Linear"]}),
     ],

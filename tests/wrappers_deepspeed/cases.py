@@ -27,7 +27,9 @@ from tests.wrappers.cases import (
 )
 
 
-def ds_config(stage: int, accum: int, clip: float | None, bf16: bool, torch_adam: bool) -> dict[str, Any]:
+def ds_config(
+    stage: int, accum: int, clip: float | None, bf16: bool, torch_adam: bool
+) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": accum,

@@ -12,7 +12,8 @@ from comm_core.doctor import CheckResult
 from .objects import all_gather_object
 from .tensors import all_gather
 
-__all__ = ["check"]
+# CheckResult is re-exported so the layers above build their checks through this layer.
+__all__ = ["CheckResult", "check"]
 
 
 def check() -> list[CheckResult]:

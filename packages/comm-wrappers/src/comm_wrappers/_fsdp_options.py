@@ -218,7 +218,7 @@ def _reset_parameters(module: nn.Module, device: str | torch.device = "cpu") -> 
 def coerce_param_init_fn(value: Any) -> Callable[[nn.Module], None] | None:
     """A callable, a registered name or dotted path, or ``dict(type=name, **kwargs)``."""
     if value is None or callable(value):
-        return value
+        return value  # type: ignore[no-any-return]
     kwargs: dict[str, Any] = {}
     if isinstance(value, Mapping):
         kwargs = dict(value)

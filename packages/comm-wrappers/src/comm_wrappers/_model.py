@@ -140,7 +140,10 @@ def parse_losses(losses: Mapping[str, Any]) -> tuple[torch.Tensor, OrderedDict[s
         elif isinstance(value, Sequence) and value and all(
             isinstance(v, torch.Tensor) for v in value
         ):
-            log_vars.append((name, sum(v.mean() for v in value)))  # type: ignore[misc]
+            total = value[0].mean()
+            for item in value[1:]:
+                total = total + item.mean()
+            log_vars.append((name, total))
         else:
             message = (
                 f"loss {name!r} must be a tensor or a list of tensors, got {type(value).__name__}"

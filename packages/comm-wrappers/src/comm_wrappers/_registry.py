@@ -140,7 +140,7 @@ def _fsdp2_module_type() -> type | None:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch < 2.6
         return None
-    return FSDPModule  # type: ignore[no-any-return]
+    return FSDPModule
 
 
 def _deepspeed_engine_type() -> type | None:
@@ -161,8 +161,8 @@ def _refresh_deepspeed() -> None:
 
 def module_device(module: nn.Module) -> torch.device:
     """Return the device of a module's first parameter or buffer (cpu for an empty one)."""
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for parameter in module.parameters():
+        return parameter.device
+    for buffer in module.buffers():
+        return buffer.device
     return torch.device("cpu")

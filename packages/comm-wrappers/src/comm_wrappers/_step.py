@@ -37,7 +37,7 @@ def find_unused_parameters(loss: torch.Tensor, model: nn.Module) -> list[str]:
     """
     reached: set[int] = set()
     seen: set[int] = set()
-    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    stack: list[Any] = [loss.grad_fn] if loss.grad_fn is not None else []
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:

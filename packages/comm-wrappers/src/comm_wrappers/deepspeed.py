@@ -170,14 +170,18 @@ class MMDeepSpeedEngineWrapper(nn.Module):
         dtype = self._half_dtype()
         if self.inputs_to_half is None or dtype is None:
             return data
+
         def cast(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 return value.to(dtype)
             return value
+
         if isinstance(data, Mapping):
             return {k: cast(v) if k in self.inputs_to_half else v for k, v in data.items()}
         if isinstance(data, (list, tuple)):
-            return type(data)(cast(v) if i in self.inputs_to_half else v for i, v in enumerate(data))
+            return type(data)(
+                cast(v) if i in self.inputs_to_half else v for i, v in enumerate(data)
+            )
         return data
 
     def train_step(self, data: Any, optim_wrapper: Any) -> Mapping[str, torch.Tensor]:

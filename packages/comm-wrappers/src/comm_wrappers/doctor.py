@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from comm_collectives import get_comm_device, get_rank, get_world_size
-from comm_core.doctor import CheckResult
+from comm_collectives.doctor import CheckResult
 
 from ._model import LossModel
 from .ddp import MMDistributedDataParallel
@@ -59,5 +59,7 @@ def _check_deepspeed() -> CheckResult:
     cache = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
     detail = f"{deepspeed.__version__} on {get_accelerator().device_name()}"
     if missing:
-        return CheckResult("deepspeed", False, f"{detail}; cannot build ops: no {', '.join(missing)}")
+        return CheckResult(
+            "deepspeed", False, f"{detail}; cannot build ops: no {', '.join(missing)}"
+        )
     return CheckResult("deepspeed", True, f"{detail}; ops can build (cache {cache})")

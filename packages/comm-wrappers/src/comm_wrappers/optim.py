@@ -174,7 +174,7 @@ class OptimWrapper:
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run ``loss.backward(**kwargs)`` and count the pass."""
-        loss.backward(**kwargs)
+        loss.backward(**kwargs)  # type: ignore[no-untyped-call]
         self._inner_count += 1
 
     def step(self, **kwargs: Any) -> None:
@@ -409,7 +409,7 @@ class AmpOptimWrapper(OptimWrapper):
         """Run backward on the scaled loss (float16) or the loss, and count the pass."""
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale(loss)
-        loss.backward(**kwargs)
+        loss.backward(**kwargs)  # type: ignore[no-untyped-call]
         self._inner_count += 1
 
     def step(self, **kwargs: Any) -> None:

@@ -73,15 +73,15 @@ class MMSeparateDistributedDataParallel(nn.Module):
 
     def train_step(self, data: Any, optim_wrapper: Any) -> Any:
         """Run the model's own ``train_step`` (it steps each optimizer wrapper)."""
-        return self.module.train_step(data, optim_wrapper)
+        return self.module.train_step(data, optim_wrapper)  # type: ignore[operator]
 
     def val_step(self, data: Any) -> Any:
         """Run the model's own ``val_step``."""
-        return self.module.val_step(data)
+        return self.module.val_step(data)  # type: ignore[operator]
 
     def test_step(self, data: Any) -> Any:
         """Run the model's own ``test_step``."""
-        return self.module.test_step(data)
+        return self.module.test_step(data)  # type: ignore[operator]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
