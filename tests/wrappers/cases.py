@@ -365,10 +365,9 @@ def separate_ddp_failure_leaves_module_intact() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- MMEngine interop
-def mmengine_interop(kind: str, optim_kind: str) -> dict[str, float]:
-    """A real mmengine BaseModel subclass with MMEngine's OptimWrapper or ours."""
+def mmengine_model() -> nn.Module:
+    """A real ``mmengine.model.BaseModel`` subclass around `Net`."""
     from mmengine.model import BaseModel
-    from mmengine.optim import OptimWrapper as MMOptimWrapper
 
     class MMNet(BaseModel):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -381,8 +380,18 @@ def mmengine_interop(kind: str, optim_kind: str) -> dict[str, float]:
                 return {"loss": self.net(inputs, data_samples, mode="loss")["loss"]}
             return self.net(inputs)
 
-    model = MMNet()
-    if kind == "ddp":
+    return MMNet()
+
+
+def mmengine_interop(kind: str, optim_kind: str) -> dict[str, float]:
+    """A real mmengine BaseModel subclass with MMEngine's OptimWrapper or ours."""
+    from mmengine.optim import OptimWrapper as MMOptimWrapper
+
+    model = mmengine_model()
+    if kind == "separate":
+        # BaseModel's own train_step runs; its child is a DDP of its own.
+        wrapped = MMSeparateDistributedDataParallel(model)
+    elif kind == "ddp":
         wrapped: nn.Module = MMDistributedDataParallel(model)
     elif kind == "fsdp":
         wrapped = MMFullyShardedDataParallel(model)

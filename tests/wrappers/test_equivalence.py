@@ -140,7 +140,7 @@ def test_separate_ddp_leaves_the_module_as_it_was_when_wrapping_fails(
 
 
 @pytest.mark.parametrize("optim", ["mmengine", "ours"])
-@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp2"])
+@pytest.mark.parametrize("kind", ["ddp", "separate", "fsdp", "fsdp2"])
 def test_real_mmengine_base_model(run_distributed: Any, kind: str, optim: str) -> None:
     for result in run_distributed(cases.mmengine_interop, kind, optim):
         assert result["diff"] < EXACT

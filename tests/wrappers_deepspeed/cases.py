@@ -20,6 +20,7 @@ from tests.wrappers.cases import (
     make_net,
     make_optimizer,
     max_diff,
+    mmengine_model,
     oracle,
     params_of,
     train,
@@ -135,3 +136,18 @@ def inputs_to_half() -> str:
     )
     cast = wrapper._cast_inputs_half(batch(0, 0, 0))
     return f"{cast[0].dtype} {cast[1].dtype}"
+
+
+def mmengine_base_model(stage: int) -> dict[str, float]:
+    """A real mmengine BaseModel through the DeepSpeed wrapper, with accumulation."""
+    model = mmengine_model()
+    optimizer = make_optimizer(model.parameters(), "adamw")
+    wrapper, optim = initialize(model, ds_config(stage, 2, None, False, False), optimizer)
+    rank = dist.get_rank()
+    for step in range(2):
+        for micro in range(2):
+            inputs, targets = batch(step, micro, rank)
+            wrapper.train_step({"inputs": inputs, "data_samples": targets}, optim)
+    got = {k.removeprefix("net."): v for k, v in full_params(wrapper).items()}
+    expected = oracle(2, 2, dist.get_world_size(), optimizer="adamw")
+    return {"diff": max_diff(got, expected)}

@@ -61,3 +61,9 @@ def test_inputs_to_half(run_distributed: Any) -> None:
         "torch.bfloat16 torch.float32",
         "torch.bfloat16 torch.float32",
     ]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_real_mmengine_base_model(run_distributed: Any, stage: int) -> None:
+    for result in run_distributed(cases.mmengine_base_model, stage, timeout=180):
+        assert result["diff"] < EXACT
