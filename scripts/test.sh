@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Set up everything and run the whole check suite: lint, types, layer contract, builds,
-# docs, the tests of every layer (each in an environment without the layers above), the
-# real-launcher tests (torchrun, mpirun, srun) and a smoke run of the benchmarks.
+# docs, the tests of every layer (each in an environment without the layers above; the
+# DeepSpeed tests in one with the extra), the real-launcher tests (torchrun, mpirun, srun)
+# and a smoke run of the benchmarks.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
 ensure_hatch
 ensure_apt "openmpi-bin" mpirun
 ensure_apt "slurm-wlm munge" srun slurmctld slurmd munged
+# DeepSpeed builds a small C++ op at its first backend init (cached in .tools/).
+ensure_apt "g++" g++
+ensure_deepspeed deepspeed
 
 start=$(date +%s)
 log "lint";            hatch run full:lint
@@ -19,6 +23,10 @@ log "tests: comm-core (environment without the upper layers)"
 hatch run core:test
 log "tests: comm-collectives (environment without the upper layers)"
 hatch run collectives:test
+log "tests: comm-wrappers (environment without comm-strategies)"
+hatch run wrappers:test
+log "tests: comm-wrappers DeepSpeed (environment with the deepspeed extra)"
+hatch run deepspeed:test
 log "tests: real launchers"
 hatch run core:launchers
 log "benchmark smoke run"
