@@ -80,15 +80,27 @@ def preprocess(module: nn.Module, data: Any, training: bool) -> Any:
     return cast_data_device(data, device)
 
 
+_TAKES_MODE: dict[Any, bool] = {}
+
+
+def _takes_mode(forward: Any) -> bool:
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # a builtin or C forward: let the call decide
+        return True
+    return "mode" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+
+
 def check_mode_argument(module: nn.Module) -> None:
     """Raise a TypeError pointing at `LossModel` when ``forward`` cannot take ``mode=``."""
-    try:
-        parameters = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):  # a builtin or C forward: let the call decide
-        return
-    if "mode" in parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
-    ):
+    # Decided once per forward function: this runs on every training step.
+    forward = getattr(type(module), "forward", None)
+    takes_mode = _TAKES_MODE.get(forward)
+    if takes_mode is None:
+        takes_mode = _TAKES_MODE[forward] = _takes_mode(module.forward)
+    if takes_mode:
         return
     message = (
         f"{type(module).__qualname__}.forward takes no 'mode' argument, so train_step, "

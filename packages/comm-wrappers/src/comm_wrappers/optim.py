@@ -125,6 +125,8 @@ class OptimWrapper:
         self._remainder_counts = -1
         self._divisible_counts = -1
         self._model: Any = None
+        self._fsdp_root: Any = None
+        self._fsdp_root_of: Any = None
         self.grad_norm: torch.Tensor | None = None
         self.clip_grad_kwargs: dict[str, Any] = {}
         self._clip_type: str | None = None
@@ -192,13 +194,20 @@ class OptimWrapper:
             p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None
         ]
 
+    def _fsdp1_root(self) -> Any:
+        # Looked up once per model: walking every module on every step costs time.
+        if self._fsdp_root_of is not self._model:
+            self._fsdp_root = _fsdp1_root(self._model)
+            self._fsdp_root_of = self._model
+        return self._fsdp_root
+
     def _clip_grad(self) -> None:
         params = self._grad_params()
         if self._clip_type == "value":
             if params:
                 nn.utils.clip_grad_value_(params, **self.clip_grad_kwargs)
             return
-        root = _fsdp1_root(self._model)
+        root = self._fsdp1_root()
         if root is not None:
             # FSDP1: every rank holds a shard; FSDP's own method all-reduces the norm.
             self.grad_norm = root.clip_grad_norm_(**self.clip_grad_kwargs)
