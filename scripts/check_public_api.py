@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["comm_core", "comm_core.testing", "comm_collectives"]
+PACKAGES = ["comm_core", "comm_core.testing", "comm_collectives", "comm_wrappers"]
 
 
 def main() -> int:

@@ -20,8 +20,8 @@ def require_process_group(wrapper: str) -> None:
     if not is_distributed():
         message = (
             f"{wrapper} needs a process group and none is initialised in this process. "
-            "Call comm_collectives.init_dist('pytorch') (or 'slurm', 'mpi') first; for one "
-            "process without a launcher, use the plain module (a world of one needs no wrapper)."
+            "Call comm_collectives.init_dist('pytorch') (or 'slurm', 'mpi') first, under a "
+            "launcher; for one process: torchrun --nproc-per-node 1 your_script.py."
         )
         raise NotInitializedError(message)
 

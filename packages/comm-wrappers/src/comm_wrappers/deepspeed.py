@@ -79,7 +79,7 @@ class DeepSpeedOptimWrapper:
         """``engine.step()``: clips (per the config) and steps at the accumulation boundary."""
         self._engine("step").step(**kwargs)
 
-    def zero_grad(self, **kwargs: Any) -> None:
+    def zero_grad(self) -> None:
         """Zero the engine's gradients (the engine also does it after each step)."""
         self._engine("zero_grad").zero_grad()
 
@@ -128,7 +128,6 @@ class DeepSpeedOptimWrapper:
         self.optimizer.load_state_dict(dict(state_dict))
 
 
-@register_model_wrapper
 class MMDeepSpeedEngineWrapper(nn.Module):
     """A DeepSpeed engine with ``train_step`` / ``val_step`` / ``test_step``.
 
@@ -207,7 +206,7 @@ class MMDeepSpeedEngineWrapper(nn.Module):
         return self.val_step(data)
 
 
-register_model_wrapper(MMDeepSpeedEngineWrapper, lambda wrapper: wrapper.model, override=True)
+register_model_wrapper(MMDeepSpeedEngineWrapper, lambda wrapper: wrapper.model)
 
 
 def initialize(

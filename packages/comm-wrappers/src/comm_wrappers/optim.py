@@ -214,6 +214,13 @@ class OptimWrapper:
             return
         if not params:
             return
+        if self._model is None and any(getattr(p, "_fsdp_flattened", False) for p in params):
+            message = (
+                "clipping by norm under FSDP needs the model, to use the whole model's norm "
+                "instead of this rank's shard: run the forward inside "
+                "optim_wrapper.optim_context(model) (train_step does) before update_params"
+            )
+            raise RuntimeError(message)
         norm = nn.utils.clip_grad_norm_(params, **self.clip_grad_kwargs)
         # FSDP2: the gradients are DTensors and the norm is reduced across the mesh.
         full_tensor = getattr(norm, "full_tensor", None)
@@ -434,10 +441,12 @@ class AmpOptimWrapper(OptimWrapper):
 
     @contextlib.contextmanager
     def optim_context(self, model: nn.Module) -> Iterator[None]:
-        """Skip the sync on micro-steps (as `OptimWrapper`) and autocast to ``cast_dtype``."""
-        from ._registry import module_device
+        """Skip the sync on micro-steps (as `OptimWrapper`) and autocast to ``cast_dtype``.
 
-        device_type = module_device(model).type if isinstance(model, nn.Module) else "cpu"
+        Autocast runs on the model's device type, or on the machine's accelerator when the
+        parameters are offloaded to the CPU by a sharded wrapper.
+        """
+        device_type = _autocast_device(model)
         with super().optim_context(model), torch.autocast(device_type, dtype=self.cast_dtype):
             yield
 
@@ -455,6 +464,19 @@ class AmpOptimWrapper(OptimWrapper):
         if scaler_state is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(copy.copy(scaler_state))
         self.optimizer.load_state_dict(state)
+
+
+def _autocast_device(model: Any) -> str:
+    from comm_collectives import get_device
+
+    from ._registry import is_model_wrapper, module_device
+
+    if not isinstance(model, nn.Module):
+        return get_device()
+    device_type = module_device(model).type
+    if device_type == "cpu" and is_model_wrapper(model):
+        return get_device()  # FSDP with CPU offload computes on the accelerator
+    return device_type
 
 
 class OptimWrapperDict:

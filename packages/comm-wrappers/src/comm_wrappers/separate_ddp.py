@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from comm_collectives import get_device
 
@@ -15,6 +17,10 @@ from ._registry import register_model_wrapper
 from .ddp import MMDistributedDataParallel, require_process_group
 
 __all__ = ["MMSeparateDistributedDataParallel"]
+
+_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(
+    DistributedDataParallel.__init__
+).parameters
 
 
 @register_model_wrapper
@@ -31,7 +37,8 @@ class MMSeparateDistributedDataParallel(nn.Module):
 
     Args:
         module: The model; its direct children are wrapped.
-        broadcast_buffers: Passed to each child's DDP.
+        broadcast_buffers: Whether each child's DDP broadcasts its buffers before the forward
+            (torch's ``forward_sync_buffers`` where it has replaced ``broadcast_buffers``).
         find_unused_parameters: Passed to each child's DDP.
         **kwargs: Other DDP keywords, passed to each child's DDP.
 
@@ -49,15 +56,18 @@ class MMSeparateDistributedDataParallel(nn.Module):
         require_process_group(type(self).__name__)
         super().__init__()
         device = torch.device(get_device())
+        if _HAS_FORWARD_SYNC_BUFFERS:
+            # torch >= 2.13 deprecates broadcast_buffers for forward_sync_buffers (which
+            # still syncs the buffers once, at construction).
+            kwargs.setdefault("forward_sync_buffers", broadcast_buffers)
+        else:
+            kwargs.setdefault("broadcast_buffers", broadcast_buffers)
         wrapped: dict[str, nn.Module] = {}
         for name, child in module.named_children():
             child = child.to(device)
             if any(p.requires_grad for p in child.parameters()):
                 wrapped[name] = MMDistributedDataParallel(
-                    child,
-                    broadcast_buffers=broadcast_buffers,
-                    find_unused_parameters=find_unused_parameters,
-                    **kwargs,
+                    child, find_unused_parameters=find_unused_parameters, **kwargs
                 )
             else:
                 wrapped[name] = child
