@@ -540,3 +540,14 @@ def doctor_check() -> list[tuple[str, bool, str]]:
     from comm_wrappers.doctor import check
 
     return [(r.name, r.ok, r.detail) for r in check()]
+
+
+def fsdp1_clip_without_the_model() -> tuple[str, str] | None:
+    """update_params outside optim_context under FSDP1: clipping by norm refuses the shard."""
+    model = wrap("fsdp")
+    wrapper = OptimWrapper(
+        make_optimizer(model.parameters(), "sgd"), clip_grad={"type": "norm", "max_norm": 0.1}
+    )
+    inputs, targets = batch(0, 0, dist.get_rank())
+    loss = model(inputs, targets, mode="loss")["loss"]
+    return error_of(lambda: wrapper.update_params(loss))

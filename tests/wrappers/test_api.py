@@ -273,3 +273,10 @@ def test_deepspeed_module_without_deepspeed_says_how_to_install() -> None:
         ImportError, match=r'pip install --no-build-isolation "comm-wrappers\[deepspeed\]"'
     ):
         import comm_wrappers.deepspeed  # noqa: F401
+
+
+def test_fsdp1_clipping_without_the_model_raises(run_distributed: Any) -> None:
+    for name, message in run_distributed(cases.fsdp1_clip_without_the_model):
+        assert name == "RuntimeError"
+        assert "instead of this rank's shard" in message
+        assert "optim_wrapper.optim_context(model)" in message
