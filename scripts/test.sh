@@ -18,6 +18,7 @@ log "types";           hatch run full:types
 log "layer contract";  hatch run full:layers
 log "public API";      hatch run full:api
 log "builds";          bash scripts/check_builds.sh
+log "installs";        bash scripts/check_installs.sh
 log "docs";            hatch run full:docs
 log "tests: comm-core (environment without the upper layers)"
 hatch run core:test

@@ -551,3 +551,91 @@ def fsdp1_clip_without_the_model() -> tuple[str, str] | None:
     inputs, targets = batch(0, 0, dist.get_rank())
     loss = model(inputs, targets, mode="loss")["loss"]
     return error_of(lambda: wrapper.update_params(loss))
+
+
+# ---------------------------------------------------------------- review regressions
+class Overflowing(nn.Module):
+    """Rank 0's gradient of ``a`` overflows in float16; ``rest`` is finite everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Parameter(torch.ones(4))
+        self.rest = nn.Linear(16, 16)
+
+    def forward(self, inputs: torch.Tensor, big: torch.Tensor, mode: str = "tensor") -> Any:
+        return {"loss": (self.a * big).sum() + self.rest(inputs).float().pow(2).mean()}
+
+
+def fp16_overflow_on_one_rank_under_fsdp1() -> dict[str, Any]:
+    """Every rank skips the step and lowers the scale, with or without use_fsdp."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    out = {}
+    big = torch.tensor(1e35 if dist.get_rank() == 0 else 1.0)
+    for use_fsdp in (False, True):
+        model = MMFullyShardedDataParallel(Overflowing())
+        wrapper = AmpOptimWrapper(
+            torch.optim.SGD(model.parameters(), lr=0.1), dtype="float16", use_fsdp=use_fsdp
+        )
+        before = params_of(model)
+        model.train_step((torch.ones(2, 16), big), wrapper)
+        after = params_of(model)
+        out[use_fsdp] = {
+            "sharded": isinstance(wrapper.loss_scaler, ShardedGradScaler),
+            "scale": float(wrapper.loss_scaler.get_scale()),
+            "stepped": bool((before["rest.weight"] != after["rest.weight"]).any()),
+        }
+    return out
+
+
+class WithOwnParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.child = nn.Linear(2, 2)
+
+
+def review_errors() -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    policy = CustomPolicy(lambda module: isinstance(module, nn.Linear) and module.out_features == 8)
+    fsdp1 = wrap("fsdp", auto_wrap_policy=policy)
+    fsdp2 = wrap("fsdp2", auto_wrap_policy=policy)
+    static = MMDistributedDataParallel(make_net(), static_graph=True)
+    static_wrapper = OptimWrapper(make_optimizer(static.parameters(), "sgd"), accumulative_counts=2)
+    inner = wrap("fsdp", auto_wrap_policy=["Linear"])
+    inner_wrapper = OptimWrapper(
+        make_optimizer(inner.parameters(), "sgd"), clip_grad={"max_norm": 0.1}
+    )
+    inputs, targets = batch(0, 0, dist.get_rank())
+    with inner_wrapper.optim_context(inner):  # the first forward decides the root
+        inner(inputs, targets, mode="loss")["loss"].backward()
+    inner_wrapper.zero_grad()
+
+    def clip_with_inner_module() -> None:
+        user_module = unwrap_model(inner)
+        with inner_wrapper.optim_context(user_module):
+            loss = inner(inputs, targets, mode="loss")["loss"]
+        inner_wrapper.update_params(loss)
+
+    nonfinite = wrap("fsdp")
+    nonfinite_wrapper = OptimWrapper(
+        make_optimizer(nonfinite.parameters(), "sgd"),
+        clip_grad={"max_norm": 0.1, "error_if_nonfinite": True},
+    )
+    nan_batch = (torch.full((BATCH, 4), float("nan")), targets)
+    return {
+        "custom1": sum(isinstance(m, FullyShardedDataParallel) for m in fsdp1.modules()),
+        "custom2": sum(isinstance(m, FSDPModule) for m in fsdp2.modules()),
+        "static": error_of(lambda: static.train_step(batch(0, 0, 0), static_wrapper)),
+        "inner": error_of(clip_with_inner_module),
+        "nonfinite": error_of(lambda: nonfinite.train_step(nan_batch, nonfinite_wrapper)),
+        "own_param": error_of(lambda: MMSeparateDistributedDataParallel(WithOwnParameter())),
+        "no_train_step": error_of(lambda: MMSeparateDistributedDataParallel(Gan()).val_step(None)),
+        "fsdp2_strategy": error_of(lambda: wrap("fsdp2", sharding_strategy="FULL_SHARD")),
+        "mp_ignore": type(
+            wrap("fsdp", mixed_precision={"_module_classes_to_ignore": (nn.BatchNorm1d,)})
+        ).__name__,
+    }

@@ -280,3 +280,42 @@ def test_fsdp1_clipping_without_the_model_raises(run_distributed: Any) -> None:
         assert name == "RuntimeError"
         assert "instead of this rank's shard" in message
         assert "optim_wrapper.optim_context(model)" in message
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_fsdp1(
+    run_distributed: Any,
+) -> None:
+    results = run_distributed(cases.fp16_overflow_on_one_rank_under_fsdp1)
+    for use_fsdp in (False, True):
+        states = [r[use_fsdp] for r in results]
+        # Without use_fsdp the scaler is switched to FSDP's sharded one at the first step.
+        assert all(s["sharded"] for s in states)
+        assert {s["scale"] for s in states} == {65536.0 / 2}
+        assert not any(s["stepped"] for s in states)
+
+
+def test_review_regressions(run_distributed: Any) -> None:
+    for r in run_distributed(cases.review_errors):
+        # The policy picks lin1 and lin2 (8 outputs each), plus the root.
+        assert r["custom1"] == 3
+        assert r["custom2"] == 3
+        assert r["static"][0] == "ValueError"
+        assert "static_graph=True cannot skip the gradient sync" in r["static"][1]
+        assert r["inner"][0] == "RuntimeError"
+        assert "pass the FSDP wrapper itself" in r["inner"][1]
+        assert r["nonfinite"][0] == "RuntimeError"
+        assert "(not finite) and clip_grad has error_if_nonfinite=True" in r["nonfinite"][1]
+        assert r["own_param"][0] == "ValueError"
+        assert "holds trainable parameters itself (scale)" in r["own_param"][1]
+        assert r["no_train_step"][0] == "AttributeError"
+        assert "Gan has none: define val_step" in r["no_train_step"][1]
+        assert r["fsdp2_strategy"][0] == "TypeError"
+        assert "no 'sharding_strategy': reshard_after_forward=True" in r["fsdp2_strategy"][1]
+        assert r["mp_ignore"] == "MMFullyShardedDataParallel"
+
+
+def test_unwrap_model_of_a_compiled_module() -> None:
+    net = nn.Linear(2, 2)
+    compiled = torch.compile(net)
+    assert comm_wrappers.is_model_wrapper(compiled)
+    assert comm_wrappers.unwrap_model(compiled) is net

@@ -6,6 +6,7 @@ the one-process oracle and with DDP trained the same way (``tests.wrappers.cases
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import deepspeed
@@ -151,3 +152,52 @@ def mmengine_base_model(stage: int) -> dict[str, float]:
     got = {k.removeprefix("net."): v for k, v in full_params(wrapper).items()}
     expected = oracle(2, 2, dist.get_world_size(), optimizer="adamw")
     return {"diff": max_diff(got, expected)}
+
+
+def state_round_trip(stage: int) -> dict[str, Any]:
+    """Save the optimizer state after 2 steps, step once, load, step again: same parameters."""
+    model = make_net()
+    optimizer = make_optimizer(model.parameters(), "adamw")
+    wrapper, optim = initialize(model, ds_config(stage, 1, None, False, False), optimizer)
+    rank = dist.get_rank()
+    for step in range(2):
+        wrapper.train_step(batch(step, 0, rank), optim)
+    # Through bytes, as a checkpoint file would take it.
+    buffer = io.BytesIO()
+    torch.save(optim.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    saved_params = full_params(wrapper)
+    wrapper.train_step(batch(2, 0, rank), optim)
+    first = full_params(wrapper)
+    optim.load_state_dict(saved)
+    if stage == 0:  # no fp32 partition in the state: restore the module's parameters
+        with torch.no_grad():
+            for name, param in wrapper.model.module.named_parameters():
+                param.copy_(saved_params[name])
+    restored = max_diff(full_params(wrapper), saved_params)
+    wrapper.train_step(batch(2, 0, rank), optim)
+    return {"restored": restored, "replayed": max_diff(full_params(wrapper), first)}
+
+
+def boundaries_and_config_forms(tmp: str) -> dict[str, Any]:
+    """should_update after each micro-step; a JSON path config; an engine without optimizer."""
+    import json
+
+    model = make_net()
+    path = f"{tmp}/ds_config_{dist.get_rank()}.json"
+    with open(path, "w") as file:
+        json.dump(ds_config(1, 2, None, False, False), file)
+    wrapper, optim = initialize(model, path, make_optimizer(model.parameters(), "adamw"))
+    updates = []
+    for micro in range(4):
+        wrapper.train_step(batch(0, micro, dist.get_rank()), optim)
+        updates.append(optim.should_update())
+    _, bare_optim = initialize(make_net(), {"zero_optimization": {"stage": 0}})
+    try:
+        bare_optim.get_lr()
+    except RuntimeError as error:
+        no_optimizer = str(error)
+    else:
+        no_optimizer = ""
+    return {"updates": updates, "no_optimizer": no_optimizer}

@@ -67,3 +67,18 @@ def test_inputs_to_half(run_distributed: Any) -> None:
 def test_real_mmengine_base_model(run_distributed: Any, stage: int) -> None:
     for result in run_distributed(cases.mmengine_base_model, stage, timeout=180):
         assert result["diff"] < EXACT
+
+
+@pytest.mark.parametrize(("stage", "world"), [(0, 2), (1, 2), (2, 2), (3, 2), (3, 3)])
+def test_optimizer_state_round_trip(run_distributed: Any, stage: int, world: int) -> None:
+    results = run_distributed(cases.state_round_trip, stage, world_size=world, timeout=180)
+    for result in results:
+        assert result["restored"] == 0.0
+        assert result["replayed"] < EXACT
+
+
+def test_should_update_and_config_forms(run_distributed: Any, tmp_path: Any) -> None:
+    for result in run_distributed(cases.boundaries_and_config_forms, str(tmp_path), timeout=180):
+        # Accumulation of 2: the second and fourth micro-steps update.
+        assert result["updates"] == [False, True, False, True]
+        assert "has no optimizer" in result["no_optimizer"]

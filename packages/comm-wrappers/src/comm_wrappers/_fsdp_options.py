@@ -81,15 +81,15 @@ def coerce_auto_wrap_policy(value: Any, module: nn.Module) -> Any:
     ``transformer_layer_cls`` may give class names); a module class, a class name, or a
     list/set of them (every instance of those classes becomes its own FSDP unit).
     """
-    if value is None or (callable(value) and not isinstance(value, (str, type))):
+    if value is None or isinstance(value, fsdp_wrap._Policy):
+        return value
+    if callable(value) and not isinstance(value, (str, type)):
         return value
     if isinstance(value, Mapping):
         kwargs = dict(value)
         name = kwargs.pop("type", None)
         if not isinstance(name, str) or name not in _POLICIES:
-            message = (
-                f"auto_wrap_policy dict needs type= one of {_names(_POLICIES)}, got {name!r}"
-            )
+            message = f"auto_wrap_policy dict needs type= one of {_names(_POLICIES)}, got {name!r}"
             raise ValueError(message)
         if "transformer_layer_cls" in kwargs:
             kwargs["transformer_layer_cls"] = _resolve_classes(
@@ -125,13 +125,16 @@ def _as_list(value: Any) -> list[Any]:
     return [value]
 
 
-def wrap_predicate(policy: Any) -> Callable[[nn.Module, int], bool] | None:
+def wrap_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module, int], bool] | None:
     """Turn an FSDP1 policy into ``predicate(module, unwrapped_numel) -> wrap it?`` (FSDP2)."""
     if policy is None:
         return None
     if isinstance(policy, fsdp_wrap.ModuleWrapPolicy):
         classes = tuple(policy._module_classes)
         return lambda module, numel: isinstance(module, classes)
+    if isinstance(policy, fsdp_wrap._Policy):  # e.g. CustomPolicy: it names the modules
+        chosen = set(policy._run_policy(root, set(), {}))
+        return lambda module, numel: module in chosen
     if callable(policy):
         return lambda module, numel: bool(
             policy(module=module, recurse=False, nonwrapped_numel=numel)
@@ -162,7 +165,9 @@ def coerce_mixed_precision(value: Any, target: type, fields: Iterable[str]) -> A
         )
         raise ValueError(message)
     kwargs = {
-        key: to_dtype(item, f"mixed_precision[{key!r}]") if key.endswith("_dtype") and item is not None else item
+        key: to_dtype(item, f"mixed_precision[{key!r}]")
+        if key.endswith("_dtype") and item is not None
+        else item
         for key, item in value.items()
     }
     return target(**kwargs)

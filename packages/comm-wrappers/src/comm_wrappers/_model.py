@@ -57,7 +57,9 @@ class LossModel(nn.Module):
         outputs = self.module(inputs)
         if mode == "loss":
             if targets is None:
-                message = "LossModel in mode='loss' needs targets: pass the batch as (inputs, targets)"
+                message = (
+                    "LossModel in mode='loss' needs targets: pass the batch as (inputs, targets)"
+                )
                 raise ValueError(message)
             return {"loss": self.loss_fn(outputs, targets)}
         if mode in ("predict", "tensor"):
@@ -149,8 +151,10 @@ def parse_losses(losses: Mapping[str, Any]) -> tuple[torch.Tensor, OrderedDict[s
     for name, value in losses.items():
         if isinstance(value, torch.Tensor):
             log_vars.append((name, value.mean()))
-        elif isinstance(value, Sequence) and value and all(
-            isinstance(v, torch.Tensor) for v in value
+        elif (
+            isinstance(value, Sequence)
+            and value
+            and all(isinstance(v, torch.Tensor) for v in value)
         ):
             total = value[0].mean()
             for item in value[1:]:

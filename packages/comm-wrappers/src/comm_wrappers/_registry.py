@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -75,8 +76,8 @@ def is_model_wrapper(model: Any) -> bool:
     """Return whether ``model`` is a registered model wrapper (DDP, FSDP, DeepSpeed, ...).
 
     Built in: torch's ``DistributedDataParallel`` and ``DataParallel``, FSDP1 modules,
-    modules sharded with ``fully_shard`` (FSDP2), DeepSpeed engines, and this package's
-    wrappers.
+    modules sharded with ``fully_shard`` (FSDP2), ``torch.compile`` modules, DeepSpeed
+    engines, and this package's wrappers.
 
     Examples:
         >>> import torch
@@ -144,8 +145,6 @@ def _fsdp2_module_type() -> type | None:
 
 
 def _deepspeed_engine_type() -> type | None:
-    import sys
-
     # Only when DeepSpeed is imported already: importing it is slow and prints warnings,
     # and an engine cannot exist before its module is imported.
     module = sys.modules.get("deepspeed.runtime.engine")
@@ -154,9 +153,16 @@ def _deepspeed_engine_type() -> type | None:
 
 
 def _refresh_deepspeed() -> None:
+    """Register the wrapper types of modules imported since: DeepSpeed, torch.compile.
+
+    Only once imported: importing them is slow, and none of their objects can exist before.
+    """
     engine = _deepspeed_engine_type()
     if engine is not None:
         _WRAPPERS.setdefault(engine, _inner_module)
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    if compiled is not None:  # torch.compile(model): the user's module is _orig_mod
+        _WRAPPERS.setdefault(compiled, lambda model: model._orig_mod)
 
 
 def module_device(module: nn.Module) -> torch.device:

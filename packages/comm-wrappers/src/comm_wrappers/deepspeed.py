@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -56,6 +57,7 @@ class DeepSpeedOptimWrapper:
     def __init__(self, optimizer: Any, model: Any = None) -> None:
         self.optimizer = optimizer
         self.model: Any = None if model is None else _engine_of(model)
+        self._boundary = False
 
     def _engine(self, what: str) -> Any:
         if self.model is None:
@@ -73,7 +75,11 @@ class DeepSpeedOptimWrapper:
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``engine.backward(loss)``: scaled for accumulation, synced at the boundary."""
-        self._engine("backward").backward(loss, **kwargs)
+        engine = self._engine("backward")
+        # The engine counts the micro-step in step(): until then its boundary flag says
+        # whether this backward's micro-step ends an accumulation.
+        self._boundary = bool(engine.is_gradient_accumulation_boundary())
+        engine.backward(loss, **kwargs)
 
     def step(self, **kwargs: Any) -> None:
         """``engine.step()``: clips (per the config) and steps at the accumulation boundary."""
@@ -91,12 +97,12 @@ class DeepSpeedOptimWrapper:
         yield
 
     def should_update(self) -> bool:
-        """Whether the engine is at a gradient accumulation boundary."""
-        return bool(self._engine("should_update").is_gradient_accumulation_boundary())
+        """Whether the last backward's micro-step ends an accumulation (its step updates)."""
+        return self._boundary
 
     def should_sync(self) -> bool:
-        """Same as `should_update`: DeepSpeed syncs at the boundary."""
-        return self.should_update()
+        """Whether the next backward ends an accumulation (DeepSpeed syncs gradients there)."""
+        return bool(self._engine("should_sync").is_gradient_accumulation_boundary())
 
     def initialize_count_status(self, model: Any, init_counts: int, max_counts: int) -> None:
         """Nothing to do: the engine counts its own micro-steps and restores them on load."""
@@ -104,6 +110,12 @@ class DeepSpeedOptimWrapper:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's parameter groups."""
+        if self.optimizer is None:
+            message = (
+                "this DeepSpeed engine has no optimizer (none in the config, none passed to "
+                "initialize): it can run val_step/test_step only"
+            )
+            raise RuntimeError(message)
         groups: list[dict[str, Any]] = self.optimizer.param_groups
         return groups
 
@@ -119,13 +131,30 @@ class DeepSpeedOptimWrapper:
         return {"momentum": values}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (a ZeRO partition under ZeRO 1-3)."""
+        """This rank's optimizer state (its ZeRO partition under ZeRO 1-3)."""
         state: dict[str, Any] = self.optimizer.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load this rank's optimizer state."""
-        self.optimizer.load_state_dict(dict(state_dict))
+        """Load this rank's optimizer state, saved by `state_dict` in a world of the same size.
+
+        Under ZeRO 1-3 the fp32 master partition is restored too, and the model's
+        parameters are set from it.
+        """
+        group = getattr(self.optimizer, "dp_process_group", None)
+        if group is None:  # ZeRO 0: a torch optimizer (or DeepSpeed's fp16/bf16 wrapper)
+            self.optimizer.load_state_dict(dict(state_dict))
+            return
+        # ZeRO optimizers take one state per data-parallel rank and read their own entry.
+        states = [dict(state_dict)] * torch.distributed.get_world_size(group)
+        self.optimizer.load_state_dict(states, load_from_fp32_weights=True)
+        # The fp32 master partition is restored: copy it into the model's parameters.
+        update = getattr(self.optimizer, "update_lp_params", None)
+        if callable(update):  # ZeRO 1 and 2
+            update()
+        else:  # ZeRO 3
+            for group_index in range(len(self.optimizer.fp16_partitioned_groups_flat)):
+                self.optimizer._reassign_or_swap_out_partitioned_parameters(group_index)
 
 
 class MMDeepSpeedEngineWrapper(nn.Module):
@@ -211,7 +240,7 @@ register_model_wrapper(MMDeepSpeedEngineWrapper, lambda wrapper: wrapper.model)
 
 def initialize(
     model: nn.Module,
-    config: Mapping[str, Any],
+    config: Mapping[str, Any] | str | os.PathLike[str],
     optimizer: torch.optim.Optimizer | None = None,
     *,
     inputs_to_half: Sequence[int | str] | None = None,
@@ -221,7 +250,9 @@ def initialize(
 
     Args:
         model: The model (MMEngine ``BaseModel`` contract, or a `LossModel`).
-        config: A DeepSpeed config dict (not mutated). ``steps_per_print`` defaults to
+        config: A DeepSpeed config dict (not mutated) or the path of a JSON file.
+            DeepSpeed clips gradients at norm 1.0 unless ``gradient_clipping`` says
+            otherwise (0 turns clipping off). ``steps_per_print`` defaults to
             never, ``train_micro_batch_size_per_gpu`` to 1 when no batch size is given.
             On CPU use ``{"optimizer": {"type": "AdamW", "params": {..., "torch_adam": True}}}``
             or a client torch optimizer: neither needs a C++ build.
@@ -239,6 +270,12 @@ def initialize(
     require_process_group("comm_wrappers.deepspeed.initialize")
     # The engine reads LOCAL_RANK from the environment (mpirun and srun do not set it).
     os.environ.setdefault("LOCAL_RANK", str(get_local_rank()))
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as file:
+            config = json.load(file)
+    if not isinstance(config, Mapping):
+        message = f"config must be a dict or the path of a JSON file, got {type(config).__name__}"
+        raise TypeError(message)
     options = copy.deepcopy(dict(config))
     options.setdefault("steps_per_print", 10**13)
     if "train_batch_size" not in options:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -30,14 +31,7 @@ from .ddp import require_process_group
 
 __all__ = ["MMFullyShardedDataParallel", "default_device_id"]
 
-_MIXED_PRECISION_FIELDS = (
-    "param_dtype",
-    "reduce_dtype",
-    "buffer_dtype",
-    "keep_low_precision_grads",
-    "cast_forward_inputs",
-    "cast_root_forward_inputs",
-)
+_MIXED_PRECISION_FIELDS = tuple(field.name for field in dataclasses.fields(MixedPrecision))
 
 
 def default_device_id() -> torch.device:

@@ -21,6 +21,18 @@ __all__ = ["MMFullyShardedDataParallel2"]
 
 _MIXED_PRECISION_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 
+# FSDP1 keywords a user may carry over, and what FSDP2 offers instead.
+_FSDP1_ONLY = {
+    "sharding_strategy": "reshard_after_forward=True is FULL_SHARD, False is SHARD_GRAD_OP; "
+    "for NO_SHARD use MMDistributedDataParallel",
+    "backward_prefetch": "FSDP2 prefetches by itself (set_modules_to_backward_prefetch)",
+    "use_orig_params": "FSDP2 always keeps the original parameters (as DTensors)",
+    "device_id": "pass mesh=init_device_mesh(device_type, (world_size,))",
+    "sync_module_states": "initialise every rank the same (same seed) before sharding",
+    "param_init_fn": "build on the meta device, shard, then to_empty() and initialise",
+    "process_group": "pass mesh=DeviceMesh.from_group(process_group, device_type)",
+}
+
 
 def _coerce_offload(value: Any) -> Any:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -38,9 +50,7 @@ def _coerce_offload(value: Any) -> Any:
             return OffloadPolicy()
         options.setdefault("pin_memory", torch.cuda.is_available())
         return CPUOffloadPolicy(**options)
-    message = (
-        f"cpu_offload must be a bool, a dict or an OffloadPolicy, got {type(value).__name__}"
-    )
+    message = f"cpu_offload must be a bool, a dict or an OffloadPolicy, got {type(value).__name__}"
     raise TypeError(message)
 
 
@@ -86,7 +96,11 @@ class MMFullyShardedDataParallel2(StepMixin, nn.Module):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         super().__init__()
-        predicate = wrap_predicate(coerce_auto_wrap_policy(auto_wrap_policy, module))
+        for name, instead in _FSDP1_ONLY.items():
+            if name in kwargs:
+                message = f"MMFullyShardedDataParallel2 (FSDP2) has no {name!r}: {instead}"
+                raise TypeError(message)
+        predicate = wrap_predicate(coerce_auto_wrap_policy(auto_wrap_policy, module), module)
         options: dict[str, Any] = {
             "reshard_after_forward": reshard_after_forward,
             "offload_policy": _coerce_offload(cpu_offload),

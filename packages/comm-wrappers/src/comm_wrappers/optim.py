@@ -29,16 +29,29 @@ def _is_fsdp1(model: Any) -> bool:
 
 
 def _fsdp1_root(model: Any) -> Any:
-    """The outermost FSDP1 module inside ``model`` (itself, or under a wrapper), or None."""
+    """The root FSDP1 module of ``model`` (itself, or inside it), or None without FSDP1.
+
+    Raises:
+        RuntimeError: ``model`` holds FSDP1 units but not their root (e.g. the user's module
+            inside the wrapper): the norm of the whole model is out of reach.
+    """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if isinstance(model, FullyShardedDataParallel):
-        return model
-    if isinstance(model, nn.Module):
-        for child in model.modules():
-            if isinstance(child, FullyShardedDataParallel):
-                return child
-    return None
+    if not isinstance(model, nn.Module):
+        return None
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    if not units:
+        return None
+    # _is_root is None before the first forward, when only the outermost unit can be root.
+    for unit in units:
+        if getattr(unit, "_is_root", None) in (True, None):
+            return unit
+    message = (
+        f"optim_context got a {type(model).__name__} that holds FSDP units but not their root; "
+        "pass the FSDP wrapper itself (MMFullyShardedDataParallel), so clipping uses the "
+        "whole model's norm"
+    )
+    raise RuntimeError(message)
 
 
 @contextlib.contextmanager
@@ -47,6 +60,13 @@ def no_sync(model: Any) -> Iterator[None]:
 
     A model without a way to skip it (one process, DeepSpeed ZeRO 2/3) syncs as usual.
     """
+    if getattr(model, "static_graph", False):
+        message = (
+            "DDP with static_graph=True cannot skip the gradient sync on accumulation "
+            "micro-steps (torch fails inside its reducer): use static_graph=False, or "
+            "accumulative_counts=1"
+        )
+        raise ValueError(message)
     own = getattr(model, "no_sync", None)
     if callable(own):
         with own():
@@ -147,7 +167,9 @@ class OptimWrapper:
             raise ValueError(message)
         required = "max_norm" if clip_type == "norm" else "clip_value"
         if required not in kwargs:
-            message = f"clip_grad of type {clip_type!r} needs {required!r}, got keys {sorted(clip_grad)}"
+            message = (
+                f"clip_grad of type {clip_type!r} needs {required!r}, got keys {sorted(clip_grad)}"
+            )
             raise ValueError(message)
         self._clip_type = clip_type
         self.clip_grad_kwargs = kwargs
@@ -191,14 +213,20 @@ class OptimWrapper:
 
     def _grad_params(self) -> list[torch.Tensor]:
         return [
-            p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None
+            p
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
         ]
 
     def _fsdp1_root(self) -> Any:
-        # Looked up once per model: walking every module on every step costs time.
+        # Looked up once per model (walking every module on every step costs time), once
+        # FSDP has decided which unit is the root (at the first forward).
         if self._fsdp_root_of is not self._model:
-            self._fsdp_root = _fsdp1_root(self._model)
-            self._fsdp_root_of = self._model
+            root = _fsdp1_root(self._model)
+            if root is None or getattr(root, "_is_root", None) is not None:
+                self._fsdp_root, self._fsdp_root_of = root, self._model
+            return root
         return self._fsdp_root
 
     def _clip_grad(self) -> None:
@@ -209,8 +237,18 @@ class OptimWrapper:
             return
         root = self._fsdp1_root()
         if root is not None:
-            # FSDP1: every rank holds a shard; FSDP's own method all-reduces the norm.
-            self.grad_norm = root.clip_grad_norm_(**self.clip_grad_kwargs)
+            # FSDP1: every rank holds a shard; FSDP's own method all-reduces the norm. It takes
+            # max_norm and norm_type only: error_if_nonfinite is checked here.
+            options = dict(self.clip_grad_kwargs)
+            error_if_nonfinite = options.pop("error_if_nonfinite", False)
+            options.pop("foreach", None)
+            self.grad_norm = root.clip_grad_norm_(**options)
+            if error_if_nonfinite and not torch.isfinite(self.grad_norm).all():
+                message = (
+                    f"the total gradient norm is {float(self.grad_norm)} (not finite) and "
+                    "clip_grad has error_if_nonfinite=True"
+                )
+                raise RuntimeError(message)
             return
         if not params:
             return
@@ -374,7 +412,9 @@ class AmpOptimWrapper(OptimWrapper):
             keywords. Used for float16 only.
         dtype: The autocast dtype (a torch dtype or a name such as ``"bfloat16"``);
             default float16 on CUDA, bfloat16 elsewhere.
-        use_fsdp: Use FSDP's ``ShardedGradScaler``.
+        use_fsdp: Use FSDP's ``ShardedGradScaler`` from the start. Under an FSDP1 model it
+            is chosen anyway at the first ``optim_context`` (a plain scaler would let the
+            ranks disagree on skipping a step).
         **kwargs: `OptimWrapper` arguments.
 
     Examples:
@@ -400,26 +440,48 @@ class AmpOptimWrapper(OptimWrapper):
         self.cast_dtype = to_dtype(default if dtype is None else dtype, "dtype")
         self._static_scale: float | None = None
         self.loss_scaler: Any = None
+        self._scaler_kwargs: dict[str, Any] = {}
+        self._scaler_checked_for: Any = None
         if self.cast_dtype == torch.float16:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            scaler_type: Any = torch.amp.GradScaler
-            if use_fsdp:
-                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-                scaler_type = ShardedGradScaler
             if loss_scale == "dynamic":
-                self.loss_scaler = scaler_type(device)
+                pass
             elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
                 self._static_scale = float(loss_scale)
-                self.loss_scaler = scaler_type(device, init_scale=float(loss_scale))
+                self._scaler_kwargs = {"init_scale": float(loss_scale)}
             elif isinstance(loss_scale, Mapping):
-                self.loss_scaler = scaler_type(device, **dict(loss_scale))
+                self._scaler_kwargs = dict(loss_scale)
             else:
                 message = (
                     f"loss_scale must be 'dynamic', a number or a dict of GradScaler "
                     f"keywords, got {loss_scale!r}"
                 )
                 raise ValueError(message)
+            self.loss_scaler = self._new_scaler(sharded=use_fsdp)
+
+    def _new_scaler(self, sharded: bool) -> Any:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(device, **self._scaler_kwargs)
+        return torch.amp.GradScaler(device, **self._scaler_kwargs)
+
+    def _use_sharded_scaler_for(self, model: Any) -> None:
+        """Under FSDP1 every rank must skip a step when any rank's shard overflowed."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        if self.loss_scaler is None or isinstance(self.loss_scaler, ShardedGradScaler):
+            return
+        if self._scaler_checked_for is model:
+            return
+        self._scaler_checked_for = model
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            return
+        scaler = self._new_scaler(sharded=True)
+        scaler.load_state_dict(self.loss_scaler.state_dict())
+        self.loss_scaler = scaler
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run backward on the scaled loss (float16) or the loss, and count the pass."""
@@ -448,6 +510,7 @@ class AmpOptimWrapper(OptimWrapper):
         """
         device_type = _autocast_device(model)
         with super().optim_context(model), torch.autocast(device_type, dtype=self.cast_dtype):
+            self._use_sharded_scaler_for(model)
             yield
 
     def state_dict(self) -> dict[str, Any]:
@@ -545,7 +608,9 @@ class OptimWrapperDict:
 
     def get_momentum(self) -> dict[str, list[float]]:
         """Return ``{"<name>.momentum": [...]}`` for every wrapper."""
-        return {f"{n}.momentum": w.get_momentum()["momentum"] for n, w in self.optim_wrappers.items()}
+        return {
+            f"{n}.momentum": w.get_momentum()["momentum"] for n, w in self.optim_wrappers.items()
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Return ``{name: wrapper.state_dict()}``."""

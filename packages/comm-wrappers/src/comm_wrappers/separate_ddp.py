@@ -18,9 +18,9 @@ from .ddp import MMDistributedDataParallel, require_process_group
 
 __all__ = ["MMSeparateDistributedDataParallel"]
 
-_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(
-    DistributedDataParallel.__init__
-).parameters
+_HAS_FORWARD_SYNC_BUFFERS = (
+    "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+)
 
 
 @register_model_wrapper
@@ -44,6 +44,7 @@ class MMSeparateDistributedDataParallel(nn.Module):
 
     Raises:
         NotInitializedError: No process group is initialised.
+        ValueError: ``module`` holds trainable parameters itself (not in a child).
     """
 
     def __init__(
@@ -54,6 +55,14 @@ class MMSeparateDistributedDataParallel(nn.Module):
         **kwargs: Any,
     ) -> None:
         require_process_group(type(self).__name__)
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if own:
+            message = (
+                f"{type(module).__name__} holds trainable parameters itself ({', '.join(own)}); "
+                "separate DDP synchronises only its children, so these would drift apart "
+                "across ranks. Move them into a child module, or freeze them."
+            )
+            raise ValueError(message)
         super().__init__()
         device = torch.device(get_device())
         if _HAS_FORWARD_SYNC_BUFFERS:
@@ -81,17 +90,28 @@ class MMSeparateDistributedDataParallel(nn.Module):
         """Call the model (its children synchronise through their own DDP)."""
         return self.module(*args, **kwargs)
 
+    def _own(self, name: str) -> Any:
+        method = getattr(self.module, name, None)
+        if not callable(method):
+            message = (
+                f"MMSeparateDistributedDataParallel runs the model's own {name}, and "
+                f"{type(self.module).__name__} has none: define {name}(...) on the model "
+                "(it drives each optimizer wrapper of an OptimWrapperDict)"
+            )
+            raise AttributeError(message)
+        return method
+
     def train_step(self, data: Any, optim_wrapper: Any) -> Any:
         """Run the model's own ``train_step`` (it steps each optimizer wrapper)."""
-        return self.module.train_step(data, optim_wrapper)  # type: ignore[operator]
+        return self._own("train_step")(data, optim_wrapper)
 
     def val_step(self, data: Any) -> Any:
         """Run the model's own ``val_step``."""
-        return self.module.val_step(data)  # type: ignore[operator]
+        return self._own("val_step")(data)
 
     def test_step(self, data: Any) -> Any:
         """Run the model's own ``test_step``."""
-        return self.module.test_step(data)  # type: ignore[operator]
+        return self._own("test_step")(data)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
