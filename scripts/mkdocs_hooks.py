@@ -8,12 +8,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PLACEHOLDER = "<!-- package-versions -->"
+LAYERS = ["comm-core", "comm-collectives", "comm-wrappers", "comm-strategies"]
 
 
 def _versions() -> str:
     rows = ["| package | version | changes |", "|---|---|---|"]
-    for about in sorted(ROOT.glob("packages/*/src/*/__about__.py")):
-        package = about.parents[2].name
+    abouts = {a.parents[2].name: a for a in ROOT.glob("packages/*/src/*/__about__.py")}
+    for package in sorted(abouts, key=lambda p: LAYERS.index(p) if p in LAYERS else 99):
+        about = abouts[package]
         match = re.search(r'__version__\s*=\s*"([^"]+)"', about.read_text())
         version = match.group(1) if match else "?"
         rows.append(f"| `{package}` | {version} | [changelog](changelog/{package}.md) |")
