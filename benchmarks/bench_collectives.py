@@ -8,7 +8,8 @@ milliseconds time 10 back-to-back calls a sample (the time shown is per call). T
 
     python benchmarks/bench_collectives.py [--smoke] [--repeats N] [--out DIR]
 
-Writes DIR/results.md (a markdown table) and DIR/results.json.
+Writes DIR/results.md (markdown tables), DIR/chart.svg (the ratios as a bar chart) and
+DIR/results.json.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ import torch.distributed as torch_dist
 
 import comm_collectives as comm
 from comm_core.testing import launch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _chart import ratio_chart
 
 gather_flat = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
 
@@ -294,25 +298,42 @@ def memory_rank(label: str, smoke: bool, workdir: str, bind: bool) -> dict[str, 
     }
 
 
+# Result keys of the references, and their names in the tables and the chart.
+_REFERENCES = {"mmengine": "mmengine", "torch": "torch.distributed", "raw": "raw all_gather"}
+
+
+def _ratios(case: dict[str, Any]) -> dict[str, float]:
+    s = case["seconds"]
+    return {name: s["comm"] / s[key] for key, name in _REFERENCES.items() if s.get(key)}
+
+
+def chart(result: dict[str, Any]) -> str:
+    """The ratios of every case as an SVG bar chart."""
+    cases = [(case["case"], _ratios(case)) for case in result["cases"]]
+    title = "comm_collectives against the references (world of 2 gloo ranks, medians)"
+    return ratio_chart(title, cases, list(_REFERENCES.values()))
+
+
 def _markdown(result: dict[str, Any]) -> str:
+    # Two narrow tables instead of one wide one: the ratios a reader came for, then times.
+    names = list(_REFERENCES.values())
     lines = [
-        "| case | comm | torch.distributed | mmengine | raw all_gather | comm / mmengine | comm / raw |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| case | " + " | ".join(f"comm / {n}" for n in names) + " |",
+        "|---|" + "---:|" * len(names),
     ]
+    for case in result["cases"]:
+        ratios = _ratios(case)
+        cells = [f"{ratios[n]:.2f}x" if n in ratios else "-" for n in names]
+        lines.append(f"| {case['case']} | " + " | ".join(cells) + " |")
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{1000 * value:.2f} ms"
 
+    lines += ["", "| case | comm | " + " | ".join(names) + " |", "|---|" + "---:|" * 4]
     for case in result["cases"]:
         s = case["seconds"]
-        ratio_mm = s["comm"] / s["mmengine"] if "mmengine" in s else None
-        ratio_raw = s["comm"] / s["raw"] if "raw" in s else None
-        lines.append(
-            f"| {case['case']} | {ms(s.get('comm'))} | {ms(s.get('torch'))} | "
-            f"{ms(s.get('mmengine'))} | {ms(s.get('raw'))} | "
-            f"{'-' if ratio_mm is None else f'{ratio_mm:.2f}x'} | "
-            f"{'-' if ratio_raw is None else f'{ratio_raw:.2f}x'} |"
-        )
+        cells = [ms(s.get("comm")), *(ms(s.get(key)) for key in _REFERENCES)]
+        lines.append(f"| {case['case']} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "| rank 0 in collect_results | peak RSS growth | held by the result | "
@@ -376,6 +397,7 @@ def main() -> int:
     (out / "results.json").write_text(json.dumps(result, indent=2))
     table = _markdown(result)
     (out / "results.md").write_text(table)
+    (out / "chart.svg").write_text(chart(result))
     print(table)
     return 0
 
