@@ -20,6 +20,12 @@ log "public API";      hatch run full:api
 log "builds";          bash scripts/check_builds.sh
 log "installs";        bash scripts/check_installs.sh
 log "docs";            hatch run full:docs
+log "docstring examples: comm-core";        hatch run core:doctest
+log "docstring examples: comm-collectives"; hatch run collectives:doctest
+log "docstring examples: comm-wrappers (comm_wrappers.deepspeed skipped: no DeepSpeed)"
+hatch run wrappers:doctest
+log "docstring examples: comm-wrappers with the deepspeed extra"; hatch run deepspeed:doctest
+log "runnable code blocks of the docs";     hatch run deepspeed:examples
 log "tests: comm-core (environment without the upper layers)"
 hatch run core:test
 log "tests: comm-collectives (environment without the upper layers)"

@@ -2,7 +2,7 @@
 
 ``import comm_collectives as dist`` replaces ``mmengine.dist``.
 
-Example:
+Examples:
     >>> import comm_collectives as dist
     >>> dist.all_gather_object({"rank": dist.get_rank()})  # a world of one
     [{'rank': 0}]

@@ -7,7 +7,7 @@ view that uses them is gone (a ``weakref.finalize`` on the array every view lead
 so a buffer is never reused while anything can still read it.
 
 The cache holds at most ``COMM_BUFFER_CACHE_MB`` MiB (default 256) of idle buffers;
-:func:`empty_cache` gives them back to the system.
+[`empty_cache`][comm_collectives.empty_cache] gives them back to the system.
 """
 
 from __future__ import annotations

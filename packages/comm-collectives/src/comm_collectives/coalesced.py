@@ -46,14 +46,14 @@ def all_reduce_dict(
 
     All tensors of one dtype travel in one collective; integer means are exact. Every rank
     must hold the same keys with the same shapes and dtypes: if not, every rank raises a
-    :class:`~comm_core.CollectiveMismatchError` listing each rank's keys.
+    [`CollectiveMismatchError`][comm_core.CollectiveMismatchError] listing each rank's keys.
 
     Args:
         data: Tensors by key.
         op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
         group: Process group; the default group when None.
 
-    Example:
+    Examples:
         >>> d = {"loss": torch.tensor(2.0)}
         >>> all_reduce_dict(d, op="mean")  # a world of one
         >>> d

@@ -3,11 +3,11 @@
 Objects are pickled with protocol 5; tensors and numpy arrays inside them travel as raw
 buffers in the same message and come back as views of the receive buffer. A small object
 travels inside the handshake frame (one collective in all); a large one goes through a
-reusable buffer (see :mod:`comm_collectives.buffers`). ``broadcast_object_list`` sends a
-piece of :data:`DIRECT_BYTES` or more (a large tensor, array or pickle stream) straight
+reusable buffer (see ``comm_collectives.buffers``). ``broadcast_object_list`` sends a
+piece of ``DIRECT_BYTES`` or more (a large tensor, array or pickle stream) straight
 from its own memory: the frame's head rides in the handshake, so every rank knows the
 messages that follow. A rank that cannot pickle its object makes every rank raise
-:class:`~comm_core.RemoteRankError`.
+[`RemoteRankError`][comm_core.RemoteRankError].
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -
     Raises:
         RemoteRankError: Some rank could not pickle its object (raised on every rank).
 
-    Example:
+    Examples:
         >>> all_gather_object({"n": 1})  # a world of one
         [{'n': 1}]
     """
@@ -239,7 +239,7 @@ def _broadcast_plan(
     """The messages that carry bytes ``[start, nbytes)`` of a frame.
 
     Each is ``(first byte, end, piece)``: ``piece`` is the index of a piece of at least
-    :data:`DIRECT_BYTES` sent from its own memory, or -1 for a run of smaller pieces copied
+    ``DIRECT_BYTES`` sent from its own memory, or -1 for a run of smaller pieces copied
     into one message. ``lengths`` are the frame's piece lengths, None when the receivers
     lack the head: then the rest goes as one copied run. The root and the receivers compute
     the same plan from the same head.
@@ -267,7 +267,7 @@ def _broadcast_plan(
 
 
 def _plan_message(encoded: Encoded, first: int, end: int, piece: int) -> torch.Tensor:
-    """The root's message for bytes ``[first, end)`` of its frame (see :func:`_broadcast_plan`)."""
+    """The root's message for bytes ``[first, end)`` of its frame (see ``_broadcast_plan``)."""
     if piece < 0 or encoded.pieces[piece].readonly:  # never hand read-only memory to torch
         message = empty_bytes(end - first, torch.device("cpu"))
         encoded.write_into(message.numpy(), first, end)

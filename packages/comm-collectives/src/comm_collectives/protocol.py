@@ -5,13 +5,13 @@ Before moving data, each collective exchanges one fixed-size frame per rank (a s
 its local work (serialising, validating) succeeded, and the shape, dtype, reduce op or root
 it uses. From the headers every rank reaches the same verdict:
 
-- a rank failed locally -> every rank raises :class:`~comm_core.RemoteRankError`;
+- a rank failed locally -> every rank raises [`RemoteRankError`][comm_core.RemoteRankError];
 - ranks disagree (another operation, dtype, shape, root, dict keys) -> every rank raises
-  :class:`~comm_core.CollectiveMismatchError` with a per-rank table;
+  [`CollectiveMismatchError`][comm_core.CollectiveMismatchError] with a per-rank table;
 - otherwise the data moves, sized from the headers (uneven shapes need this anyway).
 
 Small data rides in the same frame: after the header each rank may put an inline payload
-of up to :func:`inline_capacity` bytes, so a small all_reduce, broadcast, all_gather or
+of up to ``inline_capacity`` bytes, so a small all_reduce, broadcast, all_gather or
 object collective is one collective in all, checks included. The capacity belongs to the
 group and adapts: every rank announces how many bytes it wanted to inline, and after each
 exchange every rank applies the same rule to the same table (grow to the largest wish plus
@@ -20,8 +20,8 @@ run of calls that used a quarter of it or less). Frames therefore stay equal in 
 every rank without any extra message. The growth stays close to the data because frame
 size matters: on loopback gloo a 128 KiB all-gather costs 40% more than a 70 KiB one.
 
-Debug mode (``COMM_DEBUG=1`` or :func:`debug_mode`) adds an exchange of call sites so the
-table also shows where each rank made the call.
+Debug mode (``COMM_DEBUG=1`` or [`debug_mode`][comm_collectives.debug_mode]) adds an
+exchange of call sites so the table also shows where each rank made the call.
 """
 
 from __future__ import annotations
@@ -114,7 +114,11 @@ _debug_depth = 0
 
 
 def debug_enabled() -> bool:
-    """Return True inside :func:`debug_mode` or when ``COMM_DEBUG`` is set to a true value."""
+    """Return True inside [`debug_mode`][comm_collectives.debug_mode] or with ``COMM_DEBUG`` set.
+
+    ``COMM_DEBUG`` counts as set unless it is empty, ``0``, ``false``, ``no`` or ``off`` (in
+    any case).
+    """
     if _debug_depth > 0:
         return True
     return os.environ.get("COMM_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
@@ -125,12 +129,17 @@ def debug_mode() -> Iterator[None]:
     """Check, inside the block, that all ranks make the same collective call.
 
     Each collective additionally exchanges its call site, so a
-    :class:`~comm_core.CollectiveMismatchError` shows where every rank called from. Every
-    rank must enter the block at the same point of its program.
+    [`CollectiveMismatchError`][comm_core.CollectiveMismatchError] shows where every rank
+    called from. Every rank must enter the block at the same point of its program.
 
-    Example:
-        >>> with debug_mode():  # doctest: +SKIP
-        ...     dist.all_reduce(loss)
+    Examples:
+        >>> import torch
+        >>> import comm_collectives as dist
+        >>> loss = torch.tensor(0.5)
+        >>> with dist.debug_mode():
+        ...     dist.all_reduce(loss)  # a mismatch here names every rank's call site
+        ...     print(dist.debug_enabled())
+        True
     """
     global _debug_depth
     _debug_depth += 1
@@ -151,15 +160,15 @@ class Header:
     """What one rank announces before a collective.
 
     Attributes:
-        operation: Name from :data:`OPERATIONS`.
+        operation: Name from ``OPERATIONS``.
         error: The local failure, or None when the rank is ready.
         dtype: Tensor dtype, when the collective carries one.
-        reduce_op: Name from :data:`REDUCE_OPS`, for reductions.
+        reduce_op: Name from ``REDUCE_OPS``, for reductions.
         root: ``src`` / ``dst`` for rooted collectives, else -1.
         shape: Tensor shape, when the collective carries one.
         count: Bytes (objects) or elements (tensors) this rank contributes.
         signature: Digest of structure that must match (dict keys, parameter layout).
-        inline: Bytes this rank wants to send inline (-1: none); set by :func:`handshake`.
+        inline: Bytes this rank wants to send inline (-1: none); set by ``handshake``.
     """
 
     operation: str
@@ -363,7 +372,7 @@ def handshake(
         same: Fields that must be equal on every rank besides ``operation`` (any of
             ``"dtype"``, ``"reduce_op"``, ``"root"``, ``"shape"``, ``"signature"``).
         hint: How to fix a mismatch, appended to the error.
-        payload: Data to send inside the frame when it fits :func:`inline_capacity`. Its
+        payload: Data to send inside the frame when it fits ``inline_capacity``. Its
             size is announced either way, so the group's capacity can grow to fit it.
 
     Returns:
@@ -450,7 +459,7 @@ def _raise_remote(header: Header, group: torch_dist.ProcessGroup | None) -> None
 def raise_everywhere(
     operation: str, error: BaseException | None, group: torch_dist.ProcessGroup | None
 ) -> NoReturn:
-    """Raise one :class:`~comm_core.RemoteRankError` on every rank of ``group``.
+    """Raise one [`RemoteRankError`][comm_core.RemoteRankError] on every rank of ``group``.
 
     Every rank calls this at the same point, once the ranks agree that the call failed;
     ``error`` is this rank's own failure, or None when this rank only reports the others'.

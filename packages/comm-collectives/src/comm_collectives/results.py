@@ -2,15 +2,15 @@
 
 With a ``DistributedSampler`` rank ``r`` of ``W`` holds items ``r, r + W, r + 2W, ...``.
 Rank 0 receives the parts one rank at a time, interleaves them, keeps ``None`` results, and
-truncates the padding the sampler added. Each part is streamed (:mod:`.stream`): its sender
-pickles it chunk by chunk while rank 0 unpickles the chunks already there, so rank 0 holds
-its results plus a few chunks in transit. No shared filesystem is needed; with an explicit
-``tmpdir`` the parts go through that folder instead, written atomically, and only what this
-call created is removed.
+truncates the padding the sampler added. Each part is streamed (``comm_collectives.stream``):
+its sender pickles it chunk by chunk while rank 0 unpickles the chunks already there, so
+rank 0 holds its results plus a few chunks in transit. No shared filesystem is needed; with
+an explicit ``tmpdir`` the parts go through that folder instead, written atomically, and
+only what this call created is removed.
 
 Every call ends with rank 0's verdict (one small broadcast): when a sender failed to pickle
 the rest of its part, or rank 0 failed to unpickle one, every rank raises the same
-:class:`~comm_core.RemoteRankError`.
+[`RemoteRankError`][comm_core.RemoteRankError].
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def collect_results(
     Raises:
         RemoteRankError: A rank could not pickle or write its part (raised on every rank).
 
-    Example:
+    Examples:
         >>> collect_results([0, None, 2], size=2)  # a world of one
         [0, None]
     """

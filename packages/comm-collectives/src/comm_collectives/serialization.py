@@ -1,14 +1,14 @@
 """Turn objects into one flat byte frame with tensors and arrays kept out of the pickle stream.
 
 Pickle protocol 5 hands contiguous buffers (numpy arrays, and torch tensors through
-:meth:`_Pickler.reducer_override`) to a callback instead of copying them into the stream.
+``_Pickler.reducer_override``) to a callback instead of copying them into the stream.
 A frame lays them out after the stream, each 64-byte aligned:
 
     [n_buffers, stream_len, len_0 ... len_n-1] (int64) | pad | stream | pad | buf_0 | pad | ...
 
 Writing a frame copies each buffer once into the send tensor; reading rebuilds the arrays
-and tensors as views of the receive tensor, without a copy. :func:`dump` and :func:`load`
-work on file-like objects instead, for the chunked streams of :mod:`.stream`.
+and tensors as views of the receive tensor, without a copy. ``dump`` and ``load``
+work on file-like objects instead, for the chunked streams of ``comm_collectives.stream``.
 """
 
 from __future__ import annotations

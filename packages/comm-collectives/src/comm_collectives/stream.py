@@ -1,18 +1,18 @@
 """Part streams: a sending rank pickles while rank 0 unpickles (used by collect_results).
 
-A sender pickles its part into a :class:`PartWriter`, rank 0 unpickles it from a
-:class:`PartReader`. The sender announces its part in the call's handshake, in one of
+A sender pickles its part into a ``PartWriter``, rank 0 unpickles it from a
+``PartReader``. The sender announces its part in the call's handshake, in one of
 three shapes, chosen by size:
 
 - **inline** (``count == 0``): the whole pickle fits the group's inline capacity and rides
   in the handshake frame; no message follows.
 - **one message** (``count > 0``): the pickler finished before writing its first 64 KiB
   frame; the part goes as one frame of ``count`` bytes (stream, then the out-of-band
-  buffers), as in :func:`.serialization.encode`.
+  buffers), as in ``serialization.encode``.
 - **streamed** (``count == STREAMED``): a larger part is sent while it is being pickled,
   so rank 0 rebuilds the first chunks while the sender pickles the rest. The first bytes
   ride in the handshake frame; the rest follows in messages of exactly
-  :data:`CHUNK_BYTES`::
+  ``CHUNK_BYTES``:
 
       int64 [kind, payload bytes, extra] | pad to 64 bytes | payload
 
@@ -22,7 +22,7 @@ three shapes, chosen by size:
 
 Rank 0 posts its receives before it needs them: on gloo, a message that finds no receive
 posted waits for an exchange of notifications between the two ranks' transport threads,
-which costs milliseconds on a busy machine. For a stream it keeps :data:`WINDOW` receives
+which costs milliseconds on a busy machine. For a stream it keeps ``WINDOW`` receives
 posted ahead of the one it reads. It cannot know where a stream ends, so after ``LAST`` or
 ``FAILED`` the sender sends ``WINDOW - 1`` filler messages, one for each receive still
 posted: nothing is left posted to catch a later call's messages.

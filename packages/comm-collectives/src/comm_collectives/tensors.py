@@ -2,7 +2,7 @@
 
 Each moves the data to the communication device of the group and back, keeps the caller's
 dtype and device, works in a plain process (a world of one), and starts with the handshake
-of :mod:`comm_collectives.protocol`, so a mismatch raises on every rank instead of hanging.
+of ``comm_collectives.protocol``, so a mismatch raises on every rank instead of hanging.
 Data that fits the handshake frame travels inside it: one collective in all, and a small
 reduction is then done locally in rank order, so every rank gets bit-identical results.
 """
@@ -109,7 +109,7 @@ def _exact_mean(sums: torch.Tensor, world: int, dtype: torch.dtype, operation: s
 def reduce_rows(rows: torch.Tensor, op: str, operation: str) -> torch.Tensor:
     """Reduce ``rows`` (one row per rank, in rank order) over its first dimension.
 
-    The local counterpart of :func:`reduce_inplace` for data gathered inline: the same
+    The local counterpart of ``reduce_inplace`` for data gathered inline: the same
     ops, the same exact integer mean, the same errors.
     """
     world, dtype = rows.shape[0], rows.dtype
@@ -174,7 +174,7 @@ def all_reduce(
         ValueError: Unknown op, or an integer mean that is not an integer (data unchanged).
         CollectiveMismatchError: Ranks passed different shapes, dtypes or ops.
 
-    Example:
+    Examples:
         >>> t = torch.tensor([1, 3])
         >>> all_reduce(t, op="mean")  # a world of one: unchanged
         >>> t
@@ -257,7 +257,7 @@ def all_gather(
     Returns:
         One tensor per rank (index = rank), each with that rank's shape, on ``data``'s device.
 
-    Example:
+    Examples:
         >>> all_gather(torch.arange(3))  # a world of one
         [tensor([0, 1, 2])]
     """

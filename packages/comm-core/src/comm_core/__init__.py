@@ -1,6 +1,6 @@
 """comm-core: process groups for PyTorch distributed, the same code in one process or many.
 
-Example:
+Examples:
     >>> import comm_core as dist
     >>> dist.get_dist_info()  # a plain process is a world of one
     (0, 1)

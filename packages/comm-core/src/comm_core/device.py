@@ -30,7 +30,7 @@ _BACKEND_DEVICE = {
 def get_device() -> str:
     """Return the type of the best device of this machine: cuda, xpu, mps, or cpu.
 
-    Example:
+    Examples:
         >>> get_device() in {"cuda", "xpu", "mps", "cpu"}
         True
     """
@@ -51,7 +51,7 @@ def get_comm_device(group: torch_dist.ProcessGroup | None = None) -> torch.devic
     nccl -> the current CUDA device, gloo and mpi -> cpu, and the other backends torch knows
     to their device; cpu in a plain process.
 
-    Example:
+    Examples:
         >>> get_comm_device()  # no process group here
         device(type='cpu')
     """
@@ -88,7 +88,7 @@ def get_data_device(data: Any) -> torch.device:
         ValueError: No tensor inside ``data``.
         TypeError: ``data`` is neither a tensor nor a container.
 
-    Example:
+    Examples:
         >>> get_data_device({"a": torch.zeros(1), "b": [torch.ones(2)]})
         device(type='cpu')
     """
@@ -150,7 +150,7 @@ def cast_data_device(data: T, device: torch.device | str, out: Any = None) -> T:
     Raises:
         TypeError: ``out`` does not have the structure of ``data``.
 
-    Example:
+    Examples:
         >>> cast_data_device({"x": torch.ones(1)}, "cpu")
         {'x': tensor([1.])}
     """

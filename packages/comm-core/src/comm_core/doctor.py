@@ -6,7 +6,7 @@ device) and runs live checks; rank 0 prints one table with a row per rank.
 
 Upper layers add checks without comm-core importing them: a package declares an entry
 point in the group ``comm.doctor`` whose object is a callable taking no arguments and
-returning an iterable of :class:`CheckResult`. It runs on every rank, inside the process
+returning an iterable of ``CheckResult``. It runs on every rank, inside the process
 group, after the built-in checks.
 """
 
@@ -152,7 +152,7 @@ def run_checks(extra: Sequence[str] = (), launcher: str | None = None) -> RankRe
         launcher: The launcher to report; inferred from the environment when None.
 
     Returns:
-        This rank's :class:`RankReport`.
+        This rank's ``RankReport``.
     """
     report = RankReport(
         launcher=launcher or infer_launcher(),

@@ -1,8 +1,8 @@
 """The error hierarchy shared by every comm package.
 
-Every error a comm package raises on purpose is a :class:`CommError`. Messages say what
-was expected, what was received, on which rank, and how to fix it. Upper layers subclass
-these classes instead of defining parallel hierarchies.
+Every error a comm package raises on purpose is a [`CommError`][comm_core.CommError].
+Messages say what was expected, what was received, on which rank, and how to fix it. Upper
+layers subclass these classes instead of defining parallel hierarchies.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Read what a launcher (torchrun, Slurm, MPI) tells a process about its place in the job.
 
 Nothing here touches ``torch.distributed``: these functions turn environment variables
-into a checked :class:`LaunchEnv`, which :func:`comm_core.init_dist` then applies.
+into a checked ``LaunchEnv``, which [`init_dist`][comm_core.init_dist] then applies.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 LAUNCHERS = ("pytorch", "slurm", "mpi")
-"""The launchers :func:`comm_core.init_dist` accepts."""
+"""The launchers [`init_dist`][comm_core.init_dist] accepts."""
 
 DEFAULT_PORT = 29500
 """torch's customary rendezvous port, used when nothing else gives one."""
@@ -108,7 +108,7 @@ def infer_launcher(environ: Mapping[str, str] | None = None) -> str:
     Returns:
         ``"pytorch"``, ``"mpi"``, ``"slurm"`` or ``"none"``.
 
-    Example:
+    Examples:
         >>> infer_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
         'slurm'
     """
@@ -139,7 +139,7 @@ def parse_slurm_nodelist(nodelist: str) -> list[str]:
     Raises:
         LauncherError: The list is empty, has unbalanced brackets or a bad range.
 
-    Example:
+    Examples:
         >>> parse_slurm_nodelist("gpu-[01-03,7],cpu9")
         ['gpu-01', 'gpu-02', 'gpu-03', 'gpu-7', 'cpu9']
     """
@@ -225,7 +225,7 @@ def slurm_job_port(job_id: str | int) -> int:
     Returns:
         ``15000 + job_id % 15000``.
 
-    Example:
+    Examples:
         >>> slurm_job_port(123456)
         18456
     """
@@ -249,7 +249,7 @@ def read_launch_env(
             caller passes its own ``init_method`` or store).
 
     Returns:
-        The checked :class:`LaunchEnv`.
+        The checked ``LaunchEnv``.
 
     Raises:
         LauncherError: Unknown launcher, or a variable is missing or malformed.
@@ -428,8 +428,8 @@ def _read_mpi(env: Mapping[str, str], port: int | None, need_master: bool) -> La
 def current_node_key(environ: Mapping[str, str] | None = None) -> str:
     """Return the node key of this process as its launcher describes it (host name if none).
 
-    Used by :func:`comm_core.init_local_group` when it is called without arguments after
-    the process group was created by ``torch.distributed`` directly.
+    Used by [`init_local_group`][comm_core.init_local_group] when it is called without
+    arguments after the process group was created by ``torch.distributed`` directly.
     """
     env = os.environ if environ is None else environ
     launcher = infer_launcher(env)

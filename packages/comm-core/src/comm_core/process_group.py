@@ -52,8 +52,9 @@ def init_dist(
     Sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` the same way for every launcher, selects the CUDA device of the local
     rank when the backend uses CUDA, and creates the per-node groups so that
-    :func:`get_local_rank` and :func:`get_local_size` are right as soon as it returns. On any
-    failure the process group is destroyed and the environment restored.
+    [`get_local_rank`][comm_core.get_local_rank] and [`get_local_size`][comm_core.get_local_size]
+    are right as soon as it returns. On any failure the process group is destroyed and the
+    environment restored.
 
     Args:
         launcher: ``"pytorch"`` (torchrun), ``"slurm"`` (srun) or ``"mpi"`` (mpirun).
@@ -67,7 +68,7 @@ def init_dist(
         LauncherError: Unknown launcher, or its environment is missing or malformed.
         AlreadyInitializedError: A default process group already exists.
 
-    Example:
+    Examples:
         >>> import comm_core as dist
         >>> dist.init_dist("pytorch")  # doctest: +SKIP
     """

@@ -46,7 +46,7 @@ def get_default_group() -> torch_dist.ProcessGroup | None:
 def get_backend(group: torch_dist.ProcessGroup | None = None) -> str | None:
     """Return the backend of ``group`` (default group when None), or None in a plain process.
 
-    Example:
+    Examples:
         >>> get_backend() is None  # no process group here
         True
     """
@@ -141,7 +141,7 @@ def master_only(func: Callable[P, R]) -> Callable[P, R | None]:
 
     The wrapper keeps the function's name, docstring and signature.
 
-    Example:
+    Examples:
         >>> @master_only
         ... def log(msg: str) -> str:
         ...     return msg

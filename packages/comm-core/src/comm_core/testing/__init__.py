@@ -1,7 +1,7 @@
 """Test kit: run functions on N real local gloo ranks, from pytest or from a notebook.
 
 The pytest fixtures (``run_distributed``, ``comm_pools``) live in
-:mod:`comm_core.testing.plugin`, which pytest loads by itself once comm-core is installed.
+``comm_core.testing.plugin``, which pytest loads by itself once comm-core is installed.
 """
 
 from .pool import PoolCache, RankReport, RanksFailedError, WorldPool, launch

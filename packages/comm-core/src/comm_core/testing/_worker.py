@@ -1,4 +1,4 @@
-"""Process entry point of one :class:`~comm_core.testing.WorldPool` rank."""
+"""Process entry point of one [`WorldPool`][comm_core.testing.WorldPool] rank."""
 
 import sys
 from multiprocessing.connection import Connection

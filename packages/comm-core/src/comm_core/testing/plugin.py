@@ -1,7 +1,7 @@
 """pytest plugin of comm-core, registered through the ``pytest11`` entry point.
 
 Fixtures:
-    comm_pools: session-wide cache of :class:`~comm_core.testing.WorldPool` objects, one per
+    comm_pools: session-wide cache of [`WorldPool`][comm_core.testing.WorldPool] objects, one per
         world size, so the ranks are spawned once per session and reused by every test.
     run_distributed: ``run_distributed(fn, *args, world_size=2, timeout=60, **kwargs)`` runs
         a module-level function on that many real gloo ranks and returns the results by rank.

@@ -49,10 +49,10 @@ class RankReport:
 
 
 class RanksFailedError(AssertionError):
-    """A function run on a :class:`WorldPool` failed or hung on at least one rank.
+    """A function run on a [`WorldPool`][comm_core.testing.WorldPool] failed or hung on some rank.
 
     Attributes:
-        reports: One :class:`RankReport` per rank, in rank order.
+        reports: One [`RankReport`][comm_core.testing.RankReport] per rank, in rank order.
     """
 
     def __init__(self, function: str, world_size: int, reports: list[RankReport]) -> None:
@@ -132,14 +132,18 @@ class WorldPool:
     Args:
         world_size: Number of ranks.
         backend: Backend of the process group (gloo on CPU machines).
-        timeout: Default bound, in seconds, on one :meth:`run`.
+        timeout: Default bound, in seconds, on one [`run`][comm_core.testing.WorldPool.run].
         start_timeout: Bound on spawning the ranks and joining the process group.
         pg_timeout: Timeout of the process group's own collectives.
         env: Extra environment variables for the ranks.
 
-    Example:
-        >>> with WorldPool(2) as pool:  # doctest: +SKIP
-        ...     pool.run(my_module.check_all_reduce)
+    Examples:
+        >>> import comm_core
+        >>> with WorldPool(2) as pool:  # the ranks start at the first run
+        ...     pool.run(comm_core.get_rank)
+        ...     pool.run(comm_core.get_world_size)  # the same two ranks
+        [0, 1]
+        [2, 2]
     """
 
     def __init__(
@@ -354,7 +358,8 @@ def launch(
 ) -> list[Any]:
     """Start ``nprocs`` local ranks, run ``function`` on each, stop them, return the results.
 
-    For notebooks, demos and scripts; tests should keep a :class:`WorldPool` instead.
+    For notebooks, demos and scripts; tests should keep a
+    [`WorldPool`][comm_core.testing.WorldPool] instead.
 
     Args:
         function: A module-level function; it runs inside an initialised process group.
@@ -368,10 +373,11 @@ def launch(
     Returns:
         The return values, index = rank.
 
-    Example:
+    Examples:
+        >>> import comm_core
         >>> from comm_core.testing import launch
-        >>> launch(my_module.report_rank, nprocs=2)  # doctest: +SKIP
-        [0, 1]
+        >>> launch(comm_core.get_dist_info, nprocs=2)  # (rank, world size) of each rank
+        [(0, 2), (1, 2)]
     """
     with WorldPool(nprocs, backend=backend, timeout=timeout, env=env) as pool:
         return pool.run(function, *args, **kwargs)
