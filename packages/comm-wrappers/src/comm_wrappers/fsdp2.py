@@ -73,7 +73,9 @@ class MMFullyShardedDataParallel2(StepMixin, nn.Module):
         auto_wrap_policy: As for `MMFullyShardedDataParallel`.
         mixed_precision: A ``MixedPrecisionPolicy``, a dict of its fields, or a dtype name.
         cpu_offload: Offload parameters, gradients and optimizer state to the CPU.
-        reshard_after_forward: Free the gathered parameters after the forward.
+        reshard_after_forward: Free the gathered parameters after the forward. None (torch's
+            default): True for the submodules, False for the root, whose parameters the
+            backward needs at once (resharding it costs one more all-gather a step).
         **kwargs: Other ``fully_shard`` keywords, unchanged.
 
     Raises:
@@ -88,7 +90,7 @@ class MMFullyShardedDataParallel2(StepMixin, nn.Module):
         auto_wrap_policy: Any = None,
         mixed_precision: Any = None,
         cpu_offload: Any = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | int | None = None,
         **kwargs: Any,
     ) -> None:
         require_process_group(type(self).__name__)
