@@ -43,4 +43,9 @@ if ! hatch run full:bench --smoke --out "$ROOT/.tools/bench-smoke"; then
   log "benchmark smoke run failed (report above); running it once more"
   hatch run full:bench --smoke --out "$ROOT/.tools/bench-smoke"
 fi
+log "benchmark smoke run: wrappers (against raw loops and MMEngine, DeepSpeed included)"
+if ! hatch run deepspeed:bench-wrappers --smoke --out "$ROOT/.tools/bench-wrappers-smoke"; then
+  log "wrappers benchmark smoke run failed (report above); running it once more"
+  hatch run deepspeed:bench-wrappers --smoke --out "$ROOT/.tools/bench-wrappers-smoke"
+fi
 log "all checks passed in $(( $(date +%s) - start )) s"
