@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -71,7 +70,6 @@ from comm_wrappers import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV_NAME = Path(sys.prefix).name  # the hatch environment's name, e.g. "deepspeed"
 ENGINES = ("DDP", "FSDP1", "FSDP2", "DeepSpeed")
 IMPLEMENTATIONS = ("raw", "comm", "comm, BaseModel", "mmengine")
 NUM_CLASSES = 10
@@ -356,16 +354,24 @@ def peak_growth(step: Step, count: int, rounds: int) -> int:
 
 
 # ---------------------------------------------------------------- one rank
-def build_case(engine: str, workload: Workload, names: list[str]) -> dict[str, Step]:
-    """Build every implementation of one case and take its first step.
+def warm_up(
+    engine: str, workload: Workload, names: list[str]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Build, step and throw away every implementation once; return this rank's batches.
 
-    Each is first built, stepped and thrown away once, so that one-time costs (lazy
-    imports, registries, a backend's first buffers) are charged to none of them.
+    One-time costs (lazy imports, registries, a backend's first buffers) are then charged
+    to none of the implementations measured next.
     """
-    build = BUILDERS[engine]
     batches = make_batches(workload, 4)
     for name in names:
-        build(name, workload, itertools.cycle(batches))()
+        BUILDERS[engine](name, workload, itertools.cycle(batches))()
+    return batches
+
+
+def build_case(engine: str, workload: Workload, names: list[str]) -> dict[str, Step]:
+    """Build every implementation of one case (after a warm-up) and take its first step."""
+    build = BUILDERS[engine]
+    batches = warm_up(engine, workload, names)
     steps = {}
     for name in names:
         steps[name] = build(name, workload, itertools.cycle(batches))
@@ -383,18 +389,16 @@ def measure_case(
     alive, and are not counted).
     """
     build = BUILDERS[engine]
-    batches = make_batches(workload, 4)
-    for name in names:
-        build(name, workload, itertools.cycle(batches))()
+    batches = warm_up(engine, workload, names)
     usage: dict[str, dict[str, int]] = {}
-    steps = []
+    alive = []  # so that the next implementation cannot reuse this one's memory
     for name in names:
         before = settle()
         step = build(name, workload, itertools.cycle(batches))
         step()
         held = settle() - before
         usage[name] = {"held_kib": held, "peak_kib": held + peak_growth(step, count, rounds)}
-        steps.append(step)
+        alive.append(step)
     return usage
 
 
@@ -641,10 +645,11 @@ def main() -> int:
     env = {
         "OMP_NUM_THREADS": "1",
         # DeepSpeed JIT-builds a small C++ op on its first start (~25 s): keep it where
-        # later runs find it, one folder per Python environment (torch names the build
-        # after the op alone, so two environments sharing a folder rebuild it in turn)
+        # later runs (and the tests, scripts/lib.sh) find it. Another Python environment
+        # needs a folder of its own: torch names the build after the op alone, so two
+        # environments sharing a folder rebuild it for each other.
         "TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(ROOT / ".tools" / "torch-extensions" / ENV_NAME)
+            "TORCH_EXTENSIONS_DIR", str(ROOT / ".tools" / "torch-extensions")
         ),
         "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
     }
