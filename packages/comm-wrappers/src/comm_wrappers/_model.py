@@ -77,9 +77,20 @@ def preprocess(module: nn.Module, data: Any, training: bool) -> Any:
     if callable(preprocessor):
         return preprocessor(data, training)
     device = module_device(module)
-    if device.type == "meta":
+    if device.type == "meta" or _flat_on(data, device):
         return data
     return cast_data_device(data, device)
+
+
+def _flat_on(data: Any, device: torch.device) -> bool:
+    """Whether ``data`` is a tuple, list or dict of tensors already on ``device``.
+
+    The common batch, checked without the recursion of `cast_data_device` on every step.
+    """
+    values = data.values() if isinstance(data, dict) else data
+    if not isinstance(values, (tuple, list, type({}.values()))):
+        return False
+    return all(isinstance(v, torch.Tensor) and v.device == device for v in values)
 
 
 _TAKES_MODE: dict[Any, bool] = {}
@@ -150,7 +161,8 @@ def parse_losses(losses: Mapping[str, Any]) -> tuple[torch.Tensor, OrderedDict[s
     log_vars: list[tuple[str, torch.Tensor]] = []
     for name, value in losses.items():
         if isinstance(value, torch.Tensor):
-            log_vars.append((name, value.mean()))
+            # A scalar is its own mean: no extra node in the backward graph.
+            log_vars.append((name, value if value.dim() == 0 else value.mean()))
         elif (
             isinstance(value, Sequence)
             and value

@@ -64,10 +64,14 @@ class StepMixin:
     detect_anomalous_params: bool = False
 
     def _user_module(self) -> nn.Module:
-        from ._registry import unwrap_model
+        # Found once: the wrapped module does not change after construction.
+        cached: nn.Module | None = self.__dict__.get("_comm_user_module")
+        if cached is None:
+            from ._registry import unwrap_model
 
-        module: nn.Module = unwrap_model(self)
-        return module
+            cached = unwrap_model(self)
+            self.__dict__["_comm_user_module"] = cached
+        return cached
 
     def train_step(self, data: Any, optim_wrapper: OptimWrapperLike) -> Mapping[str, torch.Tensor]:
         """Preprocess, forward in ``"loss"`` mode through the wrapper, update the parameters.

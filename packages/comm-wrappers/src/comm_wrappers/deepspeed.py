@@ -195,8 +195,10 @@ class MMDeepSpeedEngineWrapper(nn.Module):
         return None
 
     def _cast_inputs_half(self, data: Any) -> Any:
+        if self.inputs_to_half is None:
+            return data
         dtype = self._half_dtype()
-        if self.inputs_to_half is None or dtype is None:
+        if dtype is None:
             return data
 
         def cast(value: Any) -> Any:

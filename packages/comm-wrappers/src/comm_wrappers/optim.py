@@ -194,7 +194,8 @@ class OptimWrapper:
             factor = self._accumulative_counts
         else:
             factor = self._remainder_counts
-        return loss / factor
+        # No division (and no node in the backward graph) without accumulation.
+        return loss if factor == 1 else loss / factor
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run ``loss.backward(**kwargs)`` and count the pass."""
