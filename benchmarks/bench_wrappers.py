@@ -40,7 +40,6 @@ ratios as a bar chart) and DIR/results.json.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import itertools
 import json
@@ -57,7 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from _chart import ratio_chart
-from bench_collectives import bind_to_cores
+from bench_collectives import _rss_kib, _trim, bind_to_cores
 from torch import nn
 
 from comm_core.testing import launch
@@ -318,24 +317,12 @@ def memory_supported() -> bool:
     return os.path.exists("/proc/self/clear_refs")
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
-
-
 def settle() -> int:
     """Collect garbage, hand free heap pages to the OS, reset the peak; return the RSS (KiB)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the RSS then over-counts what is live
-        pass
+    _trim()
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")
-    return _status_kib("VmRSS")
+    return _rss_kib("VmRSS")
 
 
 def peak_growth(step: Step, count: int, rounds: int) -> int:
@@ -349,7 +336,7 @@ def peak_growth(step: Step, count: int, rounds: int) -> int:
         start = settle()
         for _ in range(count):
             step()
-        peaks.append(_status_kib("VmHWM") - start)
+        peaks.append(_rss_kib("VmHWM") - start)
     return int(statistics.median(peaks))
 
 
