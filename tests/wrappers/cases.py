@@ -8,6 +8,7 @@ largest absolute parameter difference, so the tests can assert and report it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable
@@ -285,7 +286,7 @@ def separate_ddp_gan(accum: int = 2, steps: int = 2) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(steps):
         for micro in range(accum):
-            with model.no_sync() if micro < accum - 1 else _nothing():
+            with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                 model.train_step(gan_batch(step, micro, rank), wrappers)
     # The oracle: the same updates, one process, every rank's batches at once.
     ref = Gan()
@@ -319,14 +320,6 @@ def separate_ddp_gan(accum: int = 2, steps: int = 2) -> dict[str, Any]:
         "diff": max_diff({_clean(k): v for k, v in got.items()}, expected),
         "eval_propagates": not any(modes),
     }
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: Any) -> None:
-        return None
 
 
 def separate_ddp_no_sync_skips_every_child() -> list[bool]:

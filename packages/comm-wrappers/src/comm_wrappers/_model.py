@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, ValuesView
 from typing import Any
 
 import torch
@@ -87,8 +87,8 @@ def _flat_on(data: Any, device: torch.device) -> bool:
 
     The common batch, checked without the recursion of `cast_data_device` on every step.
     """
-    values = data.values() if isinstance(data, dict) else data
-    if not isinstance(values, (tuple, list, type({}.values()))):
+    values = data.values() if isinstance(data, Mapping) else data
+    if not isinstance(values, (tuple, list, ValuesView)):
         return False
     return all(isinstance(v, torch.Tensor) and v.device == device for v in values)
 

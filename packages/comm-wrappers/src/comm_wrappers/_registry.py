@@ -119,7 +119,7 @@ def _register_builtins() -> None:
     """Register torch's and DeepSpeed's wrapper types, importing only what is installed."""
     global _builtins_done
     if _builtins_done:
-        _refresh_deepspeed()
+        _register_imported()
         return
     _builtins_done = True
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -133,7 +133,7 @@ def _register_builtins() -> None:
     fsdp2 = _fsdp2_module_type()
     if fsdp2 is not None:
         _WRAPPERS.setdefault(fsdp2, lambda model: model)
-    _refresh_deepspeed()
+    _register_imported()
 
 
 def _fsdp2_module_type() -> type | None:
@@ -152,7 +152,7 @@ def _deepspeed_engine_type() -> type | None:
     return engine
 
 
-def _refresh_deepspeed() -> None:
+def _register_imported() -> None:
     """Register the wrapper types of modules imported since: DeepSpeed, torch.compile.
 
     Only once imported: importing them is slow, and none of their objects can exist before.

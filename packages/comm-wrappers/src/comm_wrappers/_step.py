@@ -101,29 +101,24 @@ class StepMixin:
         optim_wrapper.update_params(loss)
         return log_vars
 
-    def _infer_step(self, data: Any, through_wrapper: bool) -> Any:
+    # True where the parameters are shards, which only the wrapper's forward gathers: then
+    # inference runs through the wrapper, never through the module's own val_step/test_step.
+    _infer_through_wrapper: bool = False
+
+    def _inference(self, name: str, data: Any) -> Any:
         module = self._user_module()
+        own = getattr(module, name, None)
+        if callable(own) and not self._infer_through_wrapper:
+            return own(data)
         batch = preprocess(module, data, False)
         check_mode_argument(module)
-        forward = self if through_wrapper else module
+        forward = self if self._infer_through_wrapper else module
         return run_forward(forward, batch, "predict")  # type: ignore[arg-type]
 
     def val_step(self, data: Any) -> Any:
         """Preprocess (``training=False``) and forward in ``"predict"`` mode; no gradient sync."""
-        module = self._user_module()
-        own = getattr(module, "val_step", None)
-        if callable(own) and self._delegate_inference():
-            return own(data)
-        return self._infer_step(data, not self._delegate_inference())
+        return self._inference("val_step", data)
 
     def test_step(self, data: Any) -> Any:
         """Like `val_step`, for testing."""
-        module = self._user_module()
-        own = getattr(module, "test_step", None)
-        if callable(own) and self._delegate_inference():
-            return own(data)
-        return self._infer_step(data, not self._delegate_inference())
-
-    def _delegate_inference(self) -> bool:
-        """True when inference may bypass the wrapper (parameters are whole on every rank)."""
-        return True
+        return self._inference("test_step", data)

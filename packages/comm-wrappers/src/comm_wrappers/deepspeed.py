@@ -29,12 +29,12 @@ except ImportError as _error:  # pragma: no cover - exercised in an environment 
 from comm_collectives import get_local_rank
 
 from ._model import check_mode_argument, model_parse_losses, preprocess, run_forward
-from ._registry import _refresh_deepspeed, register_model_wrapper
+from ._registry import _register_imported, register_model_wrapper
 from .ddp import require_process_group
 
 __all__ = ["DeepSpeedOptimWrapper", "MMDeepSpeedEngineWrapper", "initialize"]
 
-_refresh_deepspeed()
+_register_imported()
 
 
 def _engine_of(model: Any) -> Any:

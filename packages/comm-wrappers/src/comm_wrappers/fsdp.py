@@ -123,6 +123,4 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
             **kwargs,
         )
 
-    def _delegate_inference(self) -> bool:
-        # The parameters are shards: only the FSDP forward gathers them.
-        return False
+    _infer_through_wrapper = True

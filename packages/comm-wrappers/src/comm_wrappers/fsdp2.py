@@ -137,8 +137,7 @@ class MMFullyShardedDataParallel2(StepMixin, nn.Module):
         finally:
             self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
 
-    def _delegate_inference(self) -> bool:
-        return False
+    _infer_through_wrapper = True
 
 
 def _shard_children(

@@ -220,7 +220,7 @@ class OptimWrapper:
             if p.grad is not None
         ]
 
-    def _fsdp1_root(self) -> Any:
+    def _root_unit(self) -> Any:
         # Looked up once per model (walking every module on every step costs time), once
         # FSDP has decided which unit is the root (at the first forward).
         if self._fsdp_root_of is not self._model:
@@ -236,7 +236,7 @@ class OptimWrapper:
             if params:
                 nn.utils.clip_grad_value_(params, **self.clip_grad_kwargs)
             return
-        root = self._fsdp1_root()
+        root = self._root_unit()
         if root is not None:
             # FSDP1: every rank holds a shard; FSDP's own method all-reduces the norm. It takes
             # max_norm and norm_type only: error_if_nonfinite is checked here.
@@ -443,6 +443,8 @@ class AmpOptimWrapper(OptimWrapper):
         self.loss_scaler: Any = None
         self._scaler_kwargs: dict[str, Any] = {}
         self._scaler_checked_for: Any = None
+        self._autocast_for: Any = None
+        self._autocast_type = "cpu"
         if self.cast_dtype == torch.float16:
             if loss_scale == "dynamic":
                 pass
@@ -509,8 +511,12 @@ class AmpOptimWrapper(OptimWrapper):
         Autocast runs on the model's device type, or on the machine's accelerator when the
         parameters are offloaded to the CPU by a sharded wrapper.
         """
-        device_type = _autocast_device(model)
-        with super().optim_context(model), torch.autocast(device_type, dtype=self.cast_dtype):
+        if self._autocast_for is not model:  # decided once per model, not every step
+            self._autocast_type, self._autocast_for = _autocast_device(model), model
+        with (
+            super().optim_context(model),
+            torch.autocast(self._autocast_type, dtype=self.cast_dtype),
+        ):
             self._use_sharded_scaler_for(model)
             yield
 
