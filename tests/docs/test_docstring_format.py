@@ -14,7 +14,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / "packages").glob("*/src/**/*.py"))
-SPHINX_ROLE = re.compile(r":(?:py:)?(?:mod|class|func|meth|attr|data|exc|obj|const|ref):`")
+# Any role, with or without a domain: :func:`x`, :py:class:`x`, :any:`x`, :math:`x`...
+SPHINX_ROLE = re.compile(r":(?:[\w-]+:)?[\w-]+:`")
+# Google style renders an "Example:" section as an admonition: its code, one run-on line.
+EXAMPLE_HEADER = re.compile(r"^\s*Example:\s*$", re.MULTILINE)
 EXAMPLES = re.compile(r"^\s*Examples:\s*$", re.MULTILINE)
 
 
@@ -39,6 +42,15 @@ def _docstrings(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def test_the_checks_catch_what_they_are_for() -> None:
+    assert SPHINX_ROLE.search("see :func:`f` and")
+    assert SPHINX_ROLE.search(":py:class:`X`")
+    assert SPHINX_ROLE.search(":any:`X`")
+    assert not SPHINX_ROLE.search("a dict: {'a': 1} and `code`")
+    assert EXAMPLE_HEADER.search("Summary.\n\n    Example:\n        x = 1\n")
+    assert not EXAMPLE_HEADER.search("Summary.\n\n    Examples:\n        >>> x = 1\n")
+
+
 def test_docstrings_have_no_sphinx_roles_and_examples_in_examples_sections() -> None:
     assert SOURCES, "no package sources found"
     problems = []
@@ -48,6 +60,8 @@ def test_docstrings_have_no_sphinx_roles_and_examples_in_examples_sections() -> 
             role = SPHINX_ROLE.search(docstring)
             if role:
                 problems.append(f"{where}:{line}: a Sphinx role ({role[0]}...)")
+            if EXAMPLE_HEADER.search(docstring):
+                problems.append(f"{where}:{line}: an 'Example:' section (use 'Examples:' with >>>)")
             first_prompt = docstring.find(">>>")
             examples = EXAMPLES.search(docstring)
             if first_prompt != -1 and (examples is None or examples.start() > first_prompt):
