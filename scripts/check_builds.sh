@@ -9,7 +9,9 @@ for pkg in packages/*/; do
   module=${name//-/_}
   (cd "$pkg" && hatch build -t wheel -t sdist "$out" >/dev/null)
   wheel=$(ls "$out"/"${module}"-*.whl)
-  if ! "$PYTHON" -m zipfile -l "$wheel" | grep -q "$module/py.typed"; then
+  # Ask zipfile directly: a listing piped into `grep -q` can die of SIGPIPE under pipefail.
+  if ! "$PYTHON" -c 'import sys, zipfile; sys.exit(sys.argv[2] not in zipfile.ZipFile(sys.argv[1]).namelist())' \
+      "$wheel" "$module/py.typed"; then
     echo "FAIL: $wheel does not contain $module/py.typed" >&2; exit 1
   fi
   echo "ok: $(basename "$wheel") holds $module/py.typed"

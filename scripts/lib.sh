@@ -10,7 +10,7 @@ log() { printf '\n==> %s\n' "$*" >&2; }
 
 ensure_hatch() {
   local tools="$ROOT/.tools"
-  if [ ! -x "$tools/bin/hatch" ] || ! "$tools/bin/hatch" --version 2>/dev/null | grep -q "$HATCH_VERSION"; then
+  if [ ! -x "$tools/bin/hatch" ] || ! "$tools/bin/hatch" --version 2>/dev/null | grep -F "$HATCH_VERSION" >/dev/null; then
     log "bootstrapping hatch $HATCH_VERSION into .tools/"
     "$PYTHON" -m venv "$tools"
     "$tools/bin/python" -m pip install --quiet "hatch==$HATCH_VERSION"
