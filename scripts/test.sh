@@ -11,6 +11,7 @@ ensure_apt "slurm-wlm munge" srun slurmctld slurmd munged
 # DeepSpeed builds a small C++ op at its first backend init (cached in .tools/).
 ensure_apt "g++" g++
 ensure_deepspeed deepspeed
+ensure_deepspeed strategies
 
 start=$(date +%s)
 log "lint";            hatch run full:lint
@@ -34,6 +35,8 @@ log "tests: comm-wrappers (environment without comm-strategies)"
 hatch run wrappers:test
 log "tests: comm-wrappers DeepSpeed (environment with the deepspeed extra)"
 hatch run deepspeed:test
+log "tests: comm-strategies (DeepSpeed and MMEngine installed)"
+hatch run strategies:test
 log "tests: real launchers"
 hatch run core:launchers
 log "benchmark smoke run"
