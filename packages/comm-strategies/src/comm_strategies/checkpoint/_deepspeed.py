@@ -7,6 +7,7 @@ Imported only when a DeepSpeed engine or DeepSpeed's files are at hand: DeepSpee
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -181,11 +182,13 @@ def consolidate(folder: Path, *, allow_unsafe_pickle: bool) -> dict[str, torch.T
         return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    log = io.StringIO()
     try:
-        with torch.no_grad():
+        # zero_to_fp32 prints its progress (and progress bars): keep them off the log.
+        with torch.no_grad(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             state = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag=tag)
     except Exception as error:
-        message = f"DeepSpeed's zero_to_fp32 cannot read {tag_dir}: {error}"
+        message = f"DeepSpeed's zero_to_fp32 cannot read {tag_dir}: {error}\n{log.getvalue()}"
         raise CheckpointError(message) from error
     return {name: value.detach().clone() for name, value in state.items()}
 

@@ -299,6 +299,7 @@ def read_dcp_full(source: Path, manifest: Manifest | None = None) -> dict[str, A
     """Every tensor of a checkpoint's DCP folder, full, in this process (no group needed)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     folder = source / DCP_FOLDER
     if not (folder / ".metadata").is_file():
@@ -306,7 +307,8 @@ def read_dcp_full(source: Path, manifest: Manifest | None = None) -> dict[str, A
         raise CheckpointError(message)
     state: dict[str, Any] = {}
     try:
-        dcp.load(
+        # What torch's dcp_to_torch_save does: the planner fills the dict from the metadata.
+        _load_state_dict(
             state,
             storage_reader=dcp.FileSystemReader(str(folder)),
             planner=_EmptyStateDictLoadPlanner(),
