@@ -69,6 +69,14 @@ def build(kind: str, seed: int = 0, *, amp: bool = False) -> tuple[Any, Any]:
     return model, OptimWrapper(optimizer)
 
 
+def torch_optimizer(optim: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside an optim wrapper (under ZeRO: the engine's base optimizer)."""
+    optimizer = optim.optimizer
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def strategy_of(kind: str) -> str:
     return STRATEGY.get(kind, "deepspeed")
 
@@ -207,7 +215,7 @@ def save_deepspeed_native(root: str) -> None:
 def resume_equals_uninterrupted(root: str, kind: str, amp: bool = False) -> dict[str, Any]:
     """Save after 3 steps, continue 3: a fresh model loaded from the save ends the same."""
     model, optim = build(kind, amp=amp)
-    scheduler = torch.optim.lr_scheduler.StepLR(optim.optimizer, step_size=2, gamma=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(torch_optimizer(optim), step_size=2, gamma=0.5)
     rank = dist.get_rank()
     for step in range(3):
         train_step(model, optim, step)
@@ -232,7 +240,7 @@ def resume_equals_uninterrupted(root: str, kind: str, amp: bool = False) -> dict
 
     resumed, resumed_optim = build(kind, seed=5, amp=amp)
     resumed_scheduler = torch.optim.lr_scheduler.StepLR(
-        resumed_optim.optimizer, step_size=2, gamma=0.5
+        torch_optimizer(resumed_optim), step_size=2, gamma=0.5
     )
     torch.manual_seed(1234)  # the load must bring the saved RNG state back
     random.seed(1234)
