@@ -18,7 +18,11 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["comm-core", "comm-collectives", "comm-wrappers", "comm-strategies"]
 # Imports that may be missing from the dependencies: loaded only by the tool they plug into.
-OPTIONAL = {("comm_core", "comm_core/testing/plugin.py", "pytest")}
+OPTIONAL = {
+    ("comm_core", "comm_core/testing/plugin.py", "pytest"),
+    # NumPy's generator state is saved in checkpoints when NumPy is installed.
+    ("comm_strategies", "comm_strategies/checkpoint/_rng.py", "numpy"),
+}
 
 
 def _imports(path: Path) -> set[str]:

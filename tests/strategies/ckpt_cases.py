@@ -133,7 +133,9 @@ def save_every_kind(root: str, kinds: list[str]) -> None:
         keep_expected(root, kind, full_params(model))
 
 
-def load_every_kind(root: str, sources: list[str], targets: list[str]) -> dict[str, dict[str, float]]:
+def load_every_kind(
+    root: str, sources: list[str], targets: list[str]
+) -> dict[str, dict[str, float]]:
     """Load each source checkpoint into a fresh model of each target kind.
 
     Returns ``{target: {source: max |diff|}}``; a fresh model first differs from every
@@ -147,7 +149,7 @@ def load_every_kind(root: str, sources: list[str], targets: list[str]) -> dict[s
         row = {}
         for source in sources:
             assert max_diff(before, expected[source]) > 1e-2, (target, source)
-            path = f"{root}/{source}" if not source.endswith(".pth") else f"{root}/{source}"
+            path = f"{root}/{source}"
             manifest_path = Path(path) / "manifest.json"
             # DeepSpeed's ZeRO optimizer state moves only to the same stage and world size.
             cross_ds = (target.startswith("zero") or source.startswith("zero")) and (
@@ -158,7 +160,7 @@ def load_every_kind(root: str, sources: list[str], targets: list[str]) -> dict[s
                 model=model,
                 optim_wrapper=optim,
                 load_optimizer=not cross_ds and manifest_path.exists(),
-                allow_unsafe_pickle=source.startswith("zero") or source.startswith("ds_"),
+                allow_unsafe_pickle=source.startswith(("zero", "ds_")),
             )
             row[source] = max_diff(full_params(model), expected[source])
         out[target] = row
@@ -276,7 +278,7 @@ def resume_equals_uninterrupted(root: str, kind: str, amp: bool = False) -> dict
 
 def rank0_alone(root: str) -> str:
     """Rank 0 calls save alone: a clear error after the timeout, not a hang."""
-    model, optim = build("ddp")
+    model, _ = build("ddp")
     if dist.get_rank() != 0:
         return ""
     try:
@@ -342,7 +344,11 @@ def full_state_functions() -> dict[str, Any]:
         out[kind] = {
             "model": max_diff(state, reference[0]),
             "exp_avg": max(
-                float((optim_state["state"][n]["exp_avg"] - reference[1]["state"][n]["exp_avg"]).abs().max())
+                float(
+                    (optim_state["state"][n]["exp_avg"] - reference[1]["state"][n]["exp_avg"])
+                    .abs()
+                    .max()
+                )
                 for n in state
             ),
             "names": sorted(optim_state["state"]) == sorted(state),
@@ -358,3 +364,28 @@ def deepspeed_without_opt_in(root: str) -> str:
     except CheckpointError as error:
         return str(error)
     return "no error"
+
+
+def save_for_cli(root: str) -> None:
+    """An FSDP2 DCP checkpoint and a DeepSpeed ZeRO-0 folder, with their parameters."""
+    model, optim = build("fsdp2")
+    train_steps(model, optim, range(2))
+    save_checkpoint(
+        f"{root}/fsdp2",
+        model=model,
+        optim_wrapper=optim,
+        strategy="fsdp2",
+        extra={"step": 2},
+    )
+    keep_expected(root, "fsdp2", full_params(model))
+    model, optim = build("zero0")
+    train_steps(model, optim, range(2))
+    model.model.save_checkpoint(f"{root}/ds_0", tag="global_step2")
+    keep_expected(root, "ds_0", full_params(model))
+
+
+def load_converted(folder: str) -> float:
+    """A folder converted from a plain file loads into FSDP1 at world 2 (resharded by DCP)."""
+    model, _ = build("fsdp", seed=11)
+    load_checkpoint(folder, model=model)
+    return max_diff(full_params(model), expected_of(str(Path(folder).parent), "fsdp2"))

@@ -8,7 +8,6 @@ Set ``COMM_CKPT_MATRIX_OUT`` to a file path to get the measured matrix as markdo
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,14 @@ NATIVE = ["ds_0", "ds_1", "ds_2", "ds_3"]
 
 
 @pytest.fixture(scope="module")
-def saved(comm_pools: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def saved(comm_pools: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A folder with one checkpoint per kind, two plain files and DeepSpeed's folders."""
     root = str(tmp_path_factory.mktemp("saved"))
     pool = comm_pools.get(2)
     pool.run(cases.save_every_kind, root, cases.KINDS, timeout=300)
     pool.run(cases.write_plain_files, root, "fsdp2", timeout=60)
     pool.run(cases.save_deepspeed_native, root, timeout=300)
-    yield root
+    return root
 
 
 def _report(title: str, matrix: dict[str, dict[str, float]]) -> None:
@@ -47,14 +46,14 @@ def _report(title: str, matrix: dict[str, dict[str, float]]) -> None:
 
 def test_every_kind_loads_every_kind_world_2(comm_pools: Any, saved: str) -> None:
     sources = cases.KINDS + PLAIN + NATIVE
-    results = comm_pools.get(2).run(
-        cases.load_every_kind, saved, sources, cases.KINDS, timeout=600
-    )
+    results = comm_pools.get(2).run(cases.load_every_kind, saved, sources, cases.KINDS, timeout=600)
     for matrix in results:
         for target, row in matrix.items():
             for source, diff in row.items():
                 assert diff <= EXACT, (source, target, diff)
-    _report("World 2: saved under a kind, loaded under another (max |diff| of parameters)", results[0])
+    _report(
+        "World 2: saved under a kind, loaded under another (max |diff| of parameters)", results[0]
+    )
 
 
 def test_loads_at_world_size_1(comm_pools: Any, saved: str) -> None:
@@ -132,7 +131,8 @@ def test_clear_errors_on_every_rank(comm_pools: Any, tmp_path: Path) -> None:
         assert "head.weight: checkpoint [2, 8], model [3, 8]" in other
         assert "head.bias: checkpoint [2], model [3]" in other
         truncated = result["truncated"]
-        assert "model.pt" in truncated and "truncated or corrupt" in truncated
+        assert "model.pt" in truncated
+        assert "truncated or corrupt" in truncated
         assert "the ranks passed different paths" in result["paths"]
         assert "ds_unsafe does not exist" in result["missing"]
 

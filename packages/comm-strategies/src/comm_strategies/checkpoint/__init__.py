@@ -19,6 +19,7 @@ Examples:
     {'step': 5}
 """
 
+from ._convert import convert_checkpoint
 from ._errors import CheckpointError
 from ._load import find_latest, load_checkpoint
 from ._manifest import Manifest, read_manifest
@@ -33,6 +34,7 @@ from ._state import (
 __all__ = [
     "CheckpointError",
     "Manifest",
+    "convert_checkpoint",
     "find_latest",
     "full_model_state_dict",
     "full_optim_state_dict",

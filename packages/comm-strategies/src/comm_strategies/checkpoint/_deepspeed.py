@@ -90,9 +90,7 @@ def load_full_model_state(engine: Any, state: Mapping[str, torch.Tensor], strict
 
 def save_native(engine: Any, folder: Path) -> None:
     """``engine.save_checkpoint`` into ``folder/deepspeed/state`` (collective)."""
-    engine.save_checkpoint(
-        str(folder / DS_FOLDER), tag=DS_TAG, client_state={}, save_latest=False
-    )
+    engine.save_checkpoint(str(folder / DS_FOLDER), tag=DS_TAG, client_state={}, save_latest=False)
 
 
 def load_native(

@@ -63,12 +63,18 @@ def load_tensor_file(
             mmap=mmap and is_zip,
         )
     except pickle.UnpicklingError as error:
-        if allow_unsafe_pickle:
-            message = f"{what} {path} is corrupt: it cannot be unpickled ({error})"
+        text = str(error)
+        detail = _weights_only_detail(text)
+        if allow_unsafe_pickle or "Unsupported global" not in text:
+            last = [line.strip() for line in text.splitlines() if line.strip()]
+            message = (
+                f"{what} {path} is truncated or corrupt: it cannot be unpickled "
+                f"({last[-1] if last else 'no detail'}; is it a torch.save file?)"
+            )
             raise CheckpointError(message) from error
         message = (
             f"{what} {path} holds objects that torch.load(weights_only=True) refuses "
-            f"({_first_line(error)}). {UNSAFE_HINT}."
+            f"({detail}). {UNSAFE_HINT}."
         )
         raise CheckpointError(message) from error
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
@@ -79,6 +85,15 @@ def load_tensor_file(
             "without a manifest, not damaged files inside one)."
         )
         raise CheckpointError(message) from error
+
+
+def _weights_only_detail(text: str) -> str:
+    """The line of torch's weights-only error that names the refused object."""
+    for line in text.splitlines():
+        if "Unsupported global" in line or "WeightsUnpickler error" in line:
+            return line.strip()
+    lines = text.strip().splitlines()
+    return lines[0] if lines else "no detail"
 
 
 def _first_line(error: BaseException) -> str:

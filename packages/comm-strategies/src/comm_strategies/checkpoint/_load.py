@@ -21,6 +21,7 @@ from ._models import (
     get_model_state,
     get_optim_state,
     model_kind,
+    quiet_torch,
     scalers_of,
     set_model_state,
     set_optim_state,
@@ -133,9 +134,7 @@ def _load_plain_file(source: Path, model: nn.Module, strict: bool, unsafe: bool)
         data = data["state_dict"]
     elif isinstance(data, Mapping) and isinstance(data.get("module"), Mapping):
         data = data["module"]  # DeepSpeed's mp_rank_00_model_states.pt
-    if not isinstance(data, Mapping) or not any(
-        isinstance(v, torch.Tensor) for v in data.values()
-    ):
+    if not isinstance(data, Mapping) or not any(isinstance(v, torch.Tensor) for v in data.values()):
         message = (
             f"{source} holds no state dict: expected {{name: tensor}} or "
             f"{{'state_dict': {{name: tensor}}}}, got {_describe(data)}"
@@ -252,7 +251,10 @@ def _load_model_and_optimizer(
         inner = engine.module if engine is not None else model
         for key, optimizer in optimizers.items():
             set_optim_state(
-                inner, "module" if engine is not None else kind, optimizer, optim_states[key],
+                inner,
+                "module" if engine is not None else kind,
+                optimizer,
+                optim_states[key],
                 full=True,
             )
 
@@ -299,7 +301,7 @@ def _load_dcp(
     strict: bool,
 ) -> None:
     """Sharded in, resharded by DCP to this model's layout (any world size)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     check_against(_expected_params(model, kind), manifest.params, str(source), strict)
     state: dict[str, Any] = {"model": get_model_state(model, kind, full=False, rank0_only=False)}
@@ -311,7 +313,8 @@ def _load_dcp(
             for key, optimizer in optimizers.items()
         }
     try:
-        dcp.load(state, checkpoint_id=str(source / DCP_FOLDER))
+        with quiet_torch():
+            dcp_load(state, checkpoint_id=str(source / DCP_FOLDER))
     except Exception as caught:
         message = f"torch distributed checkpoint could not read {source / DCP_FOLDER}: {caught}"
         raise CheckpointError(message) from caught
@@ -322,8 +325,8 @@ def _load_dcp(
 
 def read_dcp_full(source: Path, manifest: Manifest | None = None) -> dict[str, Any]:
     """Every tensor of a checkpoint's DCP folder, full, in this process (no group needed)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     folder = source / DCP_FOLDER
@@ -333,12 +336,13 @@ def read_dcp_full(source: Path, manifest: Manifest | None = None) -> dict[str, A
     state: dict[str, Any] = {}
     try:
         # What torch's dcp_to_torch_save does: the planner fills the dict from the metadata.
-        _load_state_dict(
-            state,
-            storage_reader=dcp.FileSystemReader(str(folder)),
-            planner=_EmptyStateDictLoadPlanner(),
-            no_dist=True,
-        )
+        with quiet_torch():
+            _load_state_dict(
+                state,
+                storage_reader=FileSystemReader(str(folder)),
+                planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+                no_dist=True,
+            )
     except Exception as caught:
         message = f"torch distributed checkpoint could not read {folder}: {caught}"
         raise CheckpointError(message) from caught
@@ -372,6 +376,8 @@ def _load_schedulers(
 
 def _load_rng(source: Path, manifest: Manifest, unsafe: bool) -> None:
     me = _dist.rank()
+    if not manifest.rng_ranks:  # converted offline: no generator state saved
+        return
     if me not in manifest.rng_ranks:
         warnings.warn(
             f"{source} was saved by {manifest.world_size} rank(s): rank {me} has no RNG "
@@ -429,4 +435,3 @@ def describe_model(model: nn.Module) -> dict[str, list[Any]]:
 
         return param_shapes(deepspeed_engine(model))
     return _expected_params(model, kind)
-

@@ -8,8 +8,10 @@ keyed by those names, whatever the wrapper. DeepSpeed has its own module in
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +24,23 @@ from comm_wrappers import unwrap_model
 from ._errors import CheckpointError
 
 KINDS = ("module", "ddp", "fsdp1", "fsdp2", "deepspeed")
+# What torch says on every FSDP1 sharded state dict and every DCP call without a group:
+# facts about torch's internals, not about the user's checkpoint.
+_TORCH_NOISE = (
+    "Please use DTensor instead",
+    "_get_pg_default_device",
+    "Multiple backends are registered",
+    "torch.distributed is disabled, unavailable or uninitialized",
+)
+
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    """Silence torch's internal deprecation chatter during state-dict and DCP calls."""
+    with warnings.catch_warnings():
+        for text in _TORCH_NOISE:
+            warnings.filterwarnings("ignore", message=f".*{text}")
+        yield
 
 
 def deepspeed_engine(model: Any) -> Any:
@@ -163,10 +182,11 @@ def scalers_of(optim_wrapper: Any) -> dict[str, Any]:
 def get_model_state(model: nn.Module, kind: str, *, full: bool, rank0_only: bool) -> Any:
     """The model's state: full (CPU tensors) or sharded (DTensors / ShardedTensors)."""
     target = state_target(model, kind)
-    if not full:
-        return dsd.get_model_state_dict(target)
-    options = full_options(model, kind, rank0_only=rank0_only)
-    return to_cpu(dsd.get_model_state_dict(target, options=options))
+    with quiet_torch():
+        if not full:
+            return dsd.get_model_state_dict(target)
+        options = full_options(model, kind, rank0_only=rank0_only)
+        return to_cpu(dsd.get_model_state_dict(target, options=options))
 
 
 def get_optim_state(
@@ -174,10 +194,11 @@ def get_optim_state(
 ) -> Any:
     """One optimizer's state keyed by parameter names: full (CPU) or sharded."""
     target = state_target(model, kind)
-    if not full:
-        return dsd.get_optimizer_state_dict(target, optimizer)
-    options = full_options(model, kind, rank0_only=rank0_only)
-    return to_cpu(dsd.get_optimizer_state_dict(target, optimizer, options=options))
+    with quiet_torch():
+        if not full:
+            return dsd.get_optimizer_state_dict(target, optimizer)
+        options = full_options(model, kind, rank0_only=rank0_only)
+        return to_cpu(dsd.get_optimizer_state_dict(target, optimizer, options=options))
 
 
 def set_model_state(
@@ -188,7 +209,8 @@ def set_model_state(
     # Unsharded models hold full tensors: nothing to distribute.
     full = full and kind in ("fsdp1", "fsdp2")
     options = dsd.StateDictOptions(full_state_dict=full, strict=strict)
-    dsd.set_model_state_dict(target, dict(state), options=options)
+    with quiet_torch():
+        dsd.set_model_state_dict(target, dict(state), options=options)
 
 
 def set_optim_state(
@@ -206,7 +228,8 @@ def set_optim_state(
     # one there is nothing to shard either.
     full = full and kind in ("fsdp1", "fsdp2") and _has_tensor_state(state)
     options = dsd.StateDictOptions(full_state_dict=full)
-    dsd.set_optimizer_state_dict(target, optimizer, dict(state), options=options)
+    with quiet_torch():
+        dsd.set_optimizer_state_dict(target, optimizer, dict(state), options=options)
 
 
 def _has_tensor_state(state: Mapping[str, Any]) -> bool:
@@ -220,9 +243,10 @@ def _has_tensor_state(state: Mapping[str, Any]) -> bool:
 def describe_params(state: Mapping[str, Any]) -> dict[str, list[Any]]:
     """``{name: [shape, dtype]}`` of a (full or sharded) model state."""
     out: dict[str, list[Any]] = {}
-    for name, value in state.items():
-        if isinstance(value, torch.Tensor):
-            out[name] = [list(value.shape), str(value.dtype).removeprefix("torch.")]
+    with quiet_torch():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = [list(value.shape), str(value.dtype).removeprefix("torch.")]
     return out
 
 

@@ -35,7 +35,7 @@ def capture() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -24,6 +24,7 @@ from ._models import (
     get_model_state,
     get_optim_state,
     model_kind,
+    quiet_torch,
     scalers_of,
     sharding_of,
 )
@@ -163,9 +164,7 @@ def save_checkpoint(
         params = _save_dcp(model, kind, optimizers, temporary, writer)
     else:
         params = _save_full(model, kind, engine, optimizers, temporary, writer)
-    writer.attempt(
-        save_tensor_file, _rng.capture(), _rng_path(temporary, me), what="RNG state"
-    )
+    writer.attempt(save_tensor_file, _rng.capture(), _rng_path(temporary, me), what="RNG state")
     if me == 0:
         if schedulers:
             states = [scheduler.state_dict() for scheduler in schedulers]
@@ -278,7 +277,7 @@ def _save_dcp(
     writer: _Writer,
 ) -> dict[str, list[Any]]:
     """Each rank writes its shards with torch distributed checkpoint (collective)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     state: dict[str, Any] = {"model": get_model_state(model, kind, full=False, rank0_only=False)}
     if optimizers:
@@ -287,7 +286,8 @@ def _save_dcp(
             for key, optimizer in optimizers.items()
         }
     try:
-        dcp.save(state, checkpoint_id=str(folder / DCP_FOLDER))
+        with quiet_torch():
+            dcp_save(state, checkpoint_id=str(folder / DCP_FOLDER))
     except Exception as caught:  # DCP gathers the ranks' failures and raises everywhere
         message = f"torch distributed checkpoint could not write {folder / DCP_FOLDER}: {caught}"
         raise CheckpointError(message) from caught

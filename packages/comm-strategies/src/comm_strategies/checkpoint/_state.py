@@ -169,7 +169,10 @@ def _expected_params(model: nn.Module, kind: str) -> dict[str, list[Any]]:
     """``{name: [shape, dtype]}`` of the model's full state, without gathering anything."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    state = dsd.get_model_state_dict(state_target(model, kind))
+    from ._models import quiet_torch
+
+    with quiet_torch():
+        state = dsd.get_model_state_dict(state_target(model, kind))
     return describe_params(state)
 
 

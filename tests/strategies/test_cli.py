@@ -1,0 +1,120 @@
+"""``comm-ckpt inspect`` and ``convert``, offline on the CPU (no process group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from comm_strategies import cli
+
+from . import ckpt_cases as cases
+
+
+@pytest.fixture(scope="module")
+def saved(comm_pools: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    comm_pools.get(2).run(cases.save_for_cli, str(root), timeout=300)
+    return root
+
+
+def _expected(root: Path, name: str) -> dict[str, torch.Tensor]:
+    params: dict[str, torch.Tensor] = torch.load(root / f"expected_{name}.pt")
+    return params
+
+
+def test_inspect_prints_the_manifest(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["inspect", str(saved / "fsdp2")]) == 0
+    out = capsys.readouterr().out
+    assert "strategy     fsdp2 (fsdp2), world size 2" in out
+    assert "format       dcp, fully_shard" in out
+    assert "optimizer    yes" in out
+    assert "RNG states   ranks [0, 1]" in out
+    assert "user state   step" in out
+    assert "tensors      6 (130 elements; float32)" in out  # 4*8+8 + 8*8+8 + 8*2+2
+    assert "lin1.weight  (8, 4)  float32" in out
+
+
+def test_inspect_json(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["inspect", "--json", str(saved / "fsdp2")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 2
+    assert data["params"]["head.weight"] == [[2, 8], "float32"]
+    assert data["num_params"] == 130
+
+
+def test_convert_sharded_to_one_plain_file(saved: Path, tmp_path: Path) -> None:
+    out = tmp_path / "weights.pt"
+    assert cli.main(["convert", str(saved / "fsdp2"), str(out), "--quiet"]) == 0
+    state = torch.load(out, weights_only=True)  # loads without full unpickling
+    expected = _expected(saved, "fsdp2")
+    assert sorted(state) == sorted(expected)
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
+
+
+def test_convert_deepspeed_zero0_needs_the_opt_in(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "zero0.pth"
+    assert cli.main(["convert", str(saved / "ds_0"), str(out)]) == 2
+    assert "--allow-unsafe-pickle" in capsys.readouterr().err
+    assert not out.exists()
+    arguments = ["convert", str(saved / "ds_0"), str(out), "--allow-unsafe-pickle", "--progress"]
+    assert cli.main(arguments) == 0
+    captured = capsys.readouterr()
+    assert "100%" in captured.err  # the progress bar
+    assert f"wrote {out}" in captured.out
+    state = torch.load(out, weights_only=True)
+    expected = _expected(saved, "ds_0")
+    assert sorted(state) == sorted(expected)
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
+
+
+def test_convert_plain_to_sharded_loads_into_fsdp(
+    comm_pools: Any, saved: Path, tmp_path: Path
+) -> None:
+    plain = saved / "plain.pt"
+    assert cli.main(["convert", str(saved / "fsdp2"), str(plain), "--quiet"]) == 0
+    folder = saved / "resharded"
+    assert cli.main(["convert", str(plain), str(folder), "--quiet"]) == 0
+    assert (folder / "manifest.json").is_file()
+    assert (folder / "dcp" / ".metadata").is_file()
+    for diff in comm_pools.get(2).run(cases.load_converted, str(folder), timeout=120):
+        assert diff == 0.0
+    shutil.rmtree(folder)
+
+
+def test_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["inspect", str(tmp_path / "nothing")]) == 2
+    assert f"{tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"not a checkpoint")
+    assert cli.main(["convert", str(bad), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err
+    assert "truncated or corrupt" in err
+
+
+def test_console_script_and_module_run(saved: Path) -> None:
+    scripts = Path(sys.executable).parent
+    commands = [[sys.executable, "-m", "comm_strategies.cli"]]
+    if (scripts / "comm-ckpt").exists():
+        commands.append([str(scripts / "comm-ckpt")])
+    for command in commands:
+        result = subprocess.run(
+            [*command, "inspect", str(saved / "fsdp2")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ),
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert "world size 2" in result.stdout
