@@ -19,7 +19,7 @@ import torch
 
 from . import _save
 from ._errors import CheckpointError
-from ._files import load_tensor_file, write_json
+from ._files import fsync_enabled, load_tensor_file, write_json
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest
 from ._models import describe_params, quiet_torch
 from ._state import strip_prefixes
@@ -92,7 +92,8 @@ def save_with_progress(obj: Any, path: Path, *, progress: bool, label: str) -> N
         with os.fdopen(descriptor, "wb") as handle:
             torch.save(obj, _CountingWriter(handle, bar))  # type: ignore[arg-type]
             handle.flush()
-            os.fsync(handle.fileno())
+            if fsync_enabled():
+                os.fsync(handle.fileno())
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)

@@ -13,6 +13,17 @@ import torch
 
 from ._errors import CheckpointError
 
+
+def fsync_enabled() -> bool:
+    """Whether files are flushed to the disk before the rename (``COMM_CHECKPOINT_FSYNC=1``).
+
+    Off by default: the temporary name and the rename already protect a checkpoint from a
+    killed process (the kernel keeps what was written); flushing protects it from a power
+    cut too, at the price of waiting for the disk.
+    """
+    return os.environ.get("COMM_CHECKPOINT_FSYNC", "0").lower() in ("1", "true", "yes", "on")
+
+
 UNSAFE_HINT = (
     "Load it only if you trust its source, with allow_unsafe_pickle=True (it runs "
     "torch.load(weights_only=False), which can execute code stored in the file)"
@@ -26,7 +37,8 @@ def save_tensor_file(obj: Any, path: Path) -> None:
     with os.fdopen(descriptor, "wb") as handle:
         torch.save(obj, handle)
         handle.flush()
-        os.fsync(handle.fileno())
+        if fsync_enabled():
+            os.fsync(handle.fileno())
     os.replace(partial, path)
 
 
@@ -38,7 +50,8 @@ def write_json(obj: Any, path: Path) -> None:
         json.dump(obj, handle, indent=1, sort_keys=True)
         handle.write("\n")
         handle.flush()
-        os.fsync(handle.fileno())
+        if fsync_enabled():
+            os.fsync(handle.fileno())
     os.replace(partial, path)
 
 

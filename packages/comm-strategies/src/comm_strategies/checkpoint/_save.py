@@ -16,7 +16,7 @@ from torch import nn
 from ..__about__ import __version__
 from . import _dist, _rng
 from ._errors import CheckpointError
-from ._files import save_tensor_file, write_json
+from ._files import fsync_enabled, save_tensor_file, write_json
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from ._models import (
     deepspeed_engine,
@@ -128,26 +128,37 @@ def save_checkpoint(
     wait = _dist.handshake_timeout(timeout)
     exchange = _dist.Exchange("save_checkpoint")
     final = Path(path).absolute()
-    token = uuid.uuid4().hex[:12]
-    entries = exchange.all_gather("enter", f"{token}|{final}", wait)
-    paths = {entry.split("|", 1)[1] for entry in entries}
-    if len(paths) > 1:
-        message = (
-            f"save_checkpoint: the ranks passed different paths ({sorted(paths)}); every "
-            "rank must pass the same folder"
-        )
-        raise CheckpointError(message)
-    temporary = final.parent / f".{final.name}.tmp-{entries[0].split('|', 1)[0]}"
     me = _dist.rank()
-    error: BaseException | None = None
+    # Rank 0 creates the temporary folder first, so one exchange both checks that every
+    # rank is here with the same path and hands them the folder.
+    temporary = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    status = "ok"
     if me == 0:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale(final)
             temporary.mkdir(mode=0o700)
         except OSError as caught:
-            error = CheckpointError(f"cannot create {temporary}: {caught}")
-    exchange.check_all_ok("created", error, wait)
+            status = f"cannot create {temporary}: {caught}"
+    try:
+        entries = exchange.all_gather("enter", f"{temporary}|{status}|{final}", wait)
+    except CheckpointError:
+        if me == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    temporary = Path(entries[0].split("|", 2)[0])
+    paths = {entry.split("|", 2)[2] for entry in entries}
+    failed = entries[0].split("|", 2)[1]
+    if len(paths) > 1 or failed != "ok":
+        if me == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        message = (
+            f"save_checkpoint: the ranks passed different paths ({sorted(paths)}); every "
+            "rank must pass the same folder"
+            if len(paths) > 1
+            else f"save_checkpoint on {_dist.where()}: rank 0 {failed}"
+        )
+        raise CheckpointError(message)
 
     writer = _Writer(temporary)
     optimizers = _named_optimizers(optim_wrapper)
@@ -315,6 +326,8 @@ def _publish(temporary: Path, final: Path) -> None:
 
 
 def _fsync_dir(folder: Path) -> None:
+    if not fsync_enabled():
+        return
     try:
         descriptor = os.open(folder, os.O_RDONLY)
     except OSError:

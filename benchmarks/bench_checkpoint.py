@@ -1,0 +1,365 @@
+"""Benchmark comm_strategies.checkpoint against the raw mechanisms, and its peak memory.
+
+Two local gloo ranks (spawned by comm_core.testing) hold an MLP under three engines and
+save and load a checkpoint of it, model and AdamW state, again and again:
+
+- DDP, one full file: ``raw`` is rank 0's ``torch.save({"model": ..., "optim": ...})``
+  and every rank's ``torch.load`` + ``load_state_dict``, with a barrier; ``comm`` is
+  ``save_checkpoint`` / ``load_checkpoint`` (full files, manifest, RNG, atomic rename).
+- FSDP2, sharded: ``raw`` is ``torch.distributed.checkpoint.save`` / ``load`` of
+  ``get_model_state_dict`` / ``get_optimizer_state_dict`` and ``set_*``; ``comm`` the
+  same functions (DCP format).
+- DeepSpeed ZeRO 2: ``raw`` is ``engine.save_checkpoint`` / ``engine.load_checkpoint``;
+  ``comm`` the same functions (DeepSpeed's files).
+
+A sample is one save or one load, timed by the slowest rank; the order of ``raw`` and
+``comm`` alternates from one repeat to the next, and each ratio is the median over the
+repeats of the ratio of the two samples taken in the same repeat.
+
+Memory, in a world of its own with glibc's mmap threshold at 128 KiB (freed blocks leave
+the resident set): the peak RSS growth of rank 0 while it saves a full (``sharded=False``)
+checkpoint of the model alone, sharded by FSDP2 and by FSDP1, over the model's size.
+
+    python benchmarks/bench_checkpoint.py [--smoke] [--repeats N] [--out DIR]
+
+Writes DIR/results.md and DIR/results.json. The DeepSpeed rows need DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from bench_collectives import _rss_kib, _trim
+from torch import nn
+
+from comm_core.testing import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+Op = Callable[[], Any]
+
+
+def make_mlp(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def one_step(model: nn.Module, optimizer: Any, width: int) -> None:
+    """One AdamW step, so that the optimizer has state to save."""
+    inputs = torch.randn(4, width)
+    loss = model(inputs).square().mean()
+    if hasattr(optimizer, "backward"):  # DeepSpeed's optim wrapper
+        optimizer.backward(loss)
+        optimizer.step()
+        return
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def barrier() -> None:
+    torch_dist.barrier()
+
+
+def slowest(seconds: float) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+# ---------------------------------------------------------------- the engines
+def case_ddp(width: int, depth: int, folder: Path) -> dict[str, Op]:
+    from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
+    from comm_wrappers import MMDistributedDataParallel
+
+    model = MMDistributedDataParallel(make_mlp(width, depth))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    one_step(model, optimizer, width)
+    raw_file, ours = folder / "raw.pt", folder / "comm"
+    rank = torch_dist.get_rank()
+
+    def raw_save() -> None:
+        if rank == 0:
+            state = {"model": model.module.state_dict(), "optim": optimizer.state_dict()}
+            torch.save(state, raw_file)
+        barrier()
+
+    def raw_load() -> None:
+        state = torch.load(raw_file, map_location="cpu", weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+        barrier()
+
+    return {
+        "raw save": raw_save,
+        "comm save": lambda: save_checkpoint(
+            ours, model=model, optim_wrapper=optimizer, strategy="ddp"
+        ),
+        "raw load": raw_load,
+        "comm load": lambda: load_checkpoint(ours, model=model, optim_wrapper=optimizer),
+    }
+
+
+def case_fsdp2(width: int, depth: int, folder: Path) -> dict[str, Op]:
+    from torch.distributed.checkpoint import state_dict as dsd
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
+    from comm_wrappers import MMFullyShardedDataParallel2
+
+    model = MMFullyShardedDataParallel2(make_mlp(width, depth))
+    inner = model.module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    one_step(model, optimizer, width)
+    raw_dir, ours = folder / "raw", folder / "comm"
+
+    def raw_save() -> None:
+        state = {
+            "model": dsd.get_model_state_dict(inner),
+            "optim": dsd.get_optimizer_state_dict(inner, optimizer),
+        }
+        dcp_save(state, checkpoint_id=str(raw_dir))
+
+    def raw_load() -> None:
+        state = {
+            "model": dsd.get_model_state_dict(inner),
+            "optim": dsd.get_optimizer_state_dict(inner, optimizer),
+        }
+        dcp_load(state, checkpoint_id=str(raw_dir))
+        dsd.set_model_state_dict(inner, state["model"])
+        dsd.set_optimizer_state_dict(inner, optimizer, state["optim"])
+
+    return {
+        "raw save": raw_save,
+        "comm save": lambda: save_checkpoint(
+            ours, model=model, optim_wrapper=optimizer, strategy="fsdp2"
+        ),
+        "raw load": raw_load,
+        "comm load": lambda: load_checkpoint(ours, model=model, optim_wrapper=optimizer),
+    }
+
+
+def case_deepspeed(width: int, depth: int, folder: Path) -> dict[str, Op]:
+    from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
+    from comm_wrappers.deepspeed import initialize
+
+    module = make_mlp(width, depth)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    wrapper, optim = initialize(module, config, optimizer)
+    one_step(wrapper, optim, width)
+    engine = wrapper.model
+    raw_dir, ours = folder / "raw", folder / "comm"
+
+    def raw_load() -> None:
+        engine.load_checkpoint(str(raw_dir), tag="state", load_lr_scheduler_states=False)
+
+    return {
+        "raw save": lambda: engine.save_checkpoint(
+            str(raw_dir), tag="state", client_state={}, save_latest=False
+        ),
+        "comm save": lambda: save_checkpoint(
+            ours, model=wrapper, optim_wrapper=optim, strategy="deepspeed"
+        ),
+        "raw load": raw_load,
+        "comm load": lambda: load_checkpoint(
+            ours, model=wrapper, optim_wrapper=optim, allow_unsafe_pickle=True
+        ),
+    }
+
+
+CASES = {"DDP (full file)": case_ddp, "FSDP2 (DCP)": case_fsdp2, "DeepSpeed ZeRO 2": case_deepspeed}
+
+
+# ---------------------------------------------------------------- one rank
+def time_rank(settings: dict[str, int], skipped: dict[str, str]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    rank = torch_dist.get_rank()
+    folder = Path(tempfile.mkdtemp(prefix="bench-ckpt-")) if rank == 0 else Path()
+    names = [str(folder)]
+    torch_dist.broadcast_object_list(names, src=0)
+    folder = Path(names[0])
+    out: dict[str, Any] = {}
+    for case, build in CASES.items():
+        if case.startswith("DeepSpeed") and "deepspeed" in skipped:
+            continue
+        ops = build(settings["width"], settings["depth"], folder)
+        samples: dict[str, list[float]] = {name: [] for name in ops}
+        for repeat in range(settings["warmup"] + settings["repeats"]):
+            for action in ("save", "load"):
+                order = ["raw", "comm"] if repeat % 2 == 0 else ["comm", "raw"]
+                for who in order:
+                    op = ops[f"{who} {action}"]
+                    barrier()
+                    start = time.perf_counter()
+                    op()
+                    elapsed = slowest(time.perf_counter() - start)
+                    if repeat >= settings["warmup"]:
+                        samples[f"{who} {action}"].append(elapsed)
+        out[case] = samples
+        barrier()
+    barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def memory_rank(settings: dict[str, int]) -> dict[str, Any]:
+    """Peak RSS growth of each rank while it saves a full checkpoint of an FSDP model."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from comm_strategies.checkpoint import save_checkpoint
+    from comm_wrappers import MMFullyShardedDataParallel, MMFullyShardedDataParallel2
+
+    rank = torch_dist.get_rank()
+    folder = Path(tempfile.mkdtemp(prefix="bench-ckpt-mem-")) if rank == 0 else Path()
+    names = [str(folder)]
+    torch_dist.broadcast_object_list(names, src=0)
+    folder = Path(names[0])
+    out: dict[str, Any] = {}
+    for name, wrapper in (
+        ("FSDP2", MMFullyShardedDataParallel2),
+        ("FSDP1", MMFullyShardedDataParallel),
+    ):
+        module = make_mlp(settings["width"], settings["depth"])
+        size = model_bytes(module)
+        model = wrapper(module)
+        del module
+        peaks = []
+        for round_ in range(settings["memory_rounds"]):
+            _trim()
+            barrier()
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+            before = _rss_kib("VmRSS")
+            save_checkpoint(
+                folder / f"{name}-{round_}", model=model, strategy="fsdp", sharded=False
+            )
+            peaks.append((_rss_kib("VmHWM") - before) * 1024)
+            barrier()
+        out[name] = {"model_bytes": size, "peak_bytes": int(statistics.median(peaks))}
+        del model
+        barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------- report
+def summary(samples: dict[str, list[float]], action: str) -> dict[str, float]:
+    raw, ours = samples[f"raw {action}"], samples[f"comm {action}"]
+    return {
+        "raw_ms": statistics.median(raw) * 1e3,
+        "comm_ms": statistics.median(ours) * 1e3,
+        "ratio": statistics.median(o / r for o, r in zip(ours, raw)),
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    settings = result["settings"]
+    mib = result["model_bytes"] / 2**20
+    lines = [
+        f"Model: MLP {settings['depth']} x Linear({settings['width']}, {settings['width']}), "
+        f"{mib:.1f} MiB of fp32 parameters (+ AdamW state: about 3x that on disk); world "
+        f"of 2 gloo ranks; median of {settings['repeats']} interleaved repeats.",
+        "",
+        "| engine | operation | raw (ms) | comm (ms) | comm / raw |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for case, figures in result["timing"].items():
+        for action in ("save", "load"):
+            row = figures[action]
+            lines.append(
+                f"| {case} | {action} | {row['raw_ms']:.1f} | {row['comm_ms']:.1f} | "
+                f"{row['ratio']:.2f}x |"
+            )
+    for what, reason in result["skipped"].items():
+        lines.append(f"| {what} | skipped: {reason} | | | |")
+    lines += [
+        "",
+        "| full save of an FSDP model (rank 0) | model size (MiB) | peak RSS growth (MiB) "
+        "| growth / model size |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, figures in result.get("memory", {}).items():
+        size, peak = figures["model_bytes"], figures["peak_bytes"]
+        lines.append(f"| {name} | {size / 2**20:.1f} | {peak / 2**20:.1f} | {peak / size:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a small model, 2 repeats (CI)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint"))
+    args = parser.parse_args()
+    settings = {
+        "repeats": args.repeats or (2 if args.smoke else 15),
+        "warmup": 1,
+        "width": 256 if args.smoke else 2048,
+        "depth": 2 if args.smoke else 4,
+        "memory_rounds": 1 if args.smoke else 3,
+    }
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(ROOT / ".tools" / "torch-extensions")
+        ),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+    }
+    os.environ.update(env)
+    skipped = {}
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as error:
+        skipped["deepspeed"] = f"not installed ({error})"
+    from bench_checkpoint import memory_rank, time_rank
+
+    started = time.perf_counter()
+    samples = launch(time_rank, settings, skipped, nprocs=2, timeout=1800, env=env)[0]
+    timing = {
+        case: {action: summary(values, action) for action in ("save", "load")}
+        for case, values in samples.items()
+    }
+    result: dict[str, Any] = {
+        "settings": settings,
+        "skipped": skipped,
+        "timing": timing,
+        "model_bytes": model_bytes(make_mlp(settings["width"], settings["depth"])),
+        "versions": {"torch": torch.__version__},
+    }
+    if os.path.exists("/proc/self/clear_refs"):
+        memory_env = {**env, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+        result["memory"] = launch(memory_rank, settings, nprocs=2, timeout=1800, env=memory_env)[0]
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    table = markdown(result)
+    (out / "results.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
