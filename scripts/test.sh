@@ -51,4 +51,9 @@ if ! hatch run deepspeed:bench-wrappers --smoke --out "$ROOT/.tools/bench-wrappe
   log "wrappers benchmark smoke run failed (report above); running it once more"
   hatch run deepspeed:bench-wrappers --smoke --out "$ROOT/.tools/bench-wrappers-smoke"
 fi
+log "benchmark smoke run: checkpoints (against torch.save, DCP, engine.save_checkpoint)"
+if ! hatch run strategies:bench-checkpoint --smoke --out "$ROOT/.tools/bench-checkpoint-smoke"; then
+  log "checkpoint benchmark smoke run failed (report above); running it once more"
+  hatch run strategies:bench-checkpoint --smoke --out "$ROOT/.tools/bench-checkpoint-smoke"
+fi
 log "all checks passed in $(( $(date +%s) - start )) s"
