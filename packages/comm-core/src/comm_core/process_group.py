@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 from .errors import AlreadyInitializedError, LauncherError, NotInitializedError
-from .launcher import LAUNCHERS, current_node_key, infer_launcher, read_launch_env
+from .launcher import LAUNCHERS, LaunchEnv, current_node_key, infer_launcher, read_launch_env
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -58,6 +59,11 @@ def init_dist(
     are right as soon as it returns. On any failure the process group is destroyed and the
     environment restored.
 
+    When it creates the rendezvous store itself (no ``init_method`` or ``store`` given, and
+    not under torchrun, whose agent owns the store) and every rank runs on this host (the
+    launcher says so, or ``MASTER_ADDR`` is a loopback address), the store listens on
+    127.0.0.1 only; otherwise it listens on every interface, as torch's does.
+
     Args:
         launcher: ``"pytorch"`` (torchrun), ``"slurm"`` (srun) or ``"mpi"`` (mpirun).
         backend: ``"nccl"``, ``"gloo"``, ...; None picks nccl when CUDA is usable, else gloo.
@@ -99,7 +105,11 @@ def init_dist(
         if _uses_cuda(backend):
             torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
         if need_master:
-            kwargs["init_method"] = "env://"
+            store = _loopback_store(launch, timeout)
+            if store is None:
+                kwargs["init_method"] = "env://"
+            else:
+                kwargs["store"] = store
         torch_dist.init_process_group(
             backend=backend,
             rank=launch.rank,
@@ -126,6 +136,46 @@ def init_dist(
             else:
                 os.environ[name] = value
         raise
+
+
+_LOOPBACK_NAMES = ("localhost", "::1")
+
+
+def _is_loopback(host: str | None) -> bool:
+    return host is not None and (host.startswith("127.") or host in _LOOPBACK_NAMES)
+
+
+def _loopback_store(launch: LaunchEnv, timeout: float) -> torch_dist.TCPStore | None:
+    """The rendezvous store on 127.0.0.1, when every rank runs here; None otherwise.
+
+    torch's own store listens on every interface. Under torchrun the agent has created the
+    store already (``TORCHELASTIC_USE_AGENT_STORE``) and the ranks only connect to it.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    all_here = launch.local_world_size is not None and launch.local_world_size == launch.world_size
+    if not (all_here or _is_loopback(launch.master_addr)):
+        return None
+    port = int(launch.master_port or 0)
+    wait = timedelta(seconds=timeout)
+    if launch.rank != 0:
+        return torch_dist.TCPStore("127.0.0.1", port, launch.world_size, False, wait)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(max(128, launch.world_size))
+    except OSError as exc:
+        listener.close()
+        message = (
+            f"init_dist: rank 0 cannot listen on 127.0.0.1:{port} for the rendezvous "
+            f"({exc}). Another job may use the port: set MASTER_PORT (or port=) to a free one."
+        )
+        raise LauncherError(message) from exc
+    # the store takes the listening socket over; it closes it when it is destroyed
+    return torch_dist.TCPStore(
+        "127.0.0.1", port, launch.world_size, True, wait, master_listen_fd=listener.detach()
+    )
 
 
 def _uses_cuda(backend: str) -> bool:
