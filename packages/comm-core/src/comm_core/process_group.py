@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as torch_dist
+from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore (not in its stubs)
 
 from .errors import AlreadyInitializedError, LauncherError, NotInitializedError
 from .launcher import LAUNCHERS, LaunchEnv, current_node_key, infer_launcher, read_launch_env
@@ -145,7 +146,7 @@ def _is_loopback(host: str | None) -> bool:
     return host is not None and (host.startswith("127.") or host in _LOOPBACK_NAMES)
 
 
-def _loopback_store(launch: LaunchEnv, timeout: float) -> torch_dist.TCPStore | None:
+def _loopback_store(launch: LaunchEnv, timeout: float) -> TCPStore | None:
     """The rendezvous store on 127.0.0.1, when every rank runs here; None otherwise.
 
     torch's own store listens on every interface. Under torchrun the agent has created the
@@ -159,7 +160,7 @@ def _loopback_store(launch: LaunchEnv, timeout: float) -> torch_dist.TCPStore | 
     port = int(launch.master_port or 0)
     wait = timedelta(seconds=timeout)
     if launch.rank != 0:
-        return torch_dist.TCPStore("127.0.0.1", port, launch.world_size, False, wait)
+        return TCPStore("127.0.0.1", port, launch.world_size, False, wait)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -173,7 +174,7 @@ def _loopback_store(launch: LaunchEnv, timeout: float) -> torch_dist.TCPStore | 
         )
         raise LauncherError(message) from exc
     # the store takes the listening socket over; it closes it when it is destroyed
-    return torch_dist.TCPStore(
+    return TCPStore(
         "127.0.0.1", port, launch.world_size, True, wait, master_listen_fd=listener.detach()
     )
 
