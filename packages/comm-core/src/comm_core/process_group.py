@@ -26,7 +26,8 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 1800.0
-"""Default collective timeout in seconds: 30 minutes, as torch's."""
+"""Default collective timeout in seconds: 30 minutes, torch's default for gloo (torch's own
+default for nccl is 10 minutes: pass ``timeout=600`` to match it)."""
 
 _TORCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -104,7 +105,7 @@ def init_dist(
     try:
         os.environ.update(launch.as_environ())
         if _uses_cuda(backend):
-            torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(_cuda_index(launch.local_rank, torch.cuda.device_count()))
         if need_master:
             store = _loopback_store(launch, timeout)
             if store is None:
@@ -177,6 +178,20 @@ def _loopback_store(launch: LaunchEnv, timeout: float) -> TCPStore | None:
     return TCPStore(
         "127.0.0.1", port, launch.world_size, True, wait, master_listen_fd=listener.detach()
     )
+
+
+def _cuda_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a local rank: its own index, or 0 when each task sees one GPU."""
+    if visible <= 1:
+        return 0  # e.g. one GPU per task through CUDA_VISIBLE_DEVICES
+    if local_rank >= visible:
+        message = (
+            f"init_dist: local rank {local_rank} needs a GPU of its own, but this process sees "
+            f"{visible} GPUs; two ranks on one GPU fail later in NCCL ('Duplicate GPU'). Start "
+            "at most one rank per GPU on each node."
+        )
+        raise LauncherError(message)
+    return local_rank
 
 
 def _uses_cuda(backend: str) -> bool:
