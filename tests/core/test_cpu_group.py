@@ -60,6 +60,10 @@ def forced_twins(store_path: str) -> dict[str, Any]:
                 dist.get_cpu_group(sub)
             except ValueError as exc:
                 out["non_member"] = str(exc)
+            try:
+                dist.get_world_size(sub)  # torch says -1; that used to fail much later
+            except ValueError as exc:
+                out["non_member_size"] = str(exc)
         everyone = torch_dist.new_group([0, 1, 2])  # the groups of every rank still line up
         out["sum_after"] = _sum_of_ranks(everyone)
         old = dist.get_cpu_group()
@@ -94,6 +98,7 @@ def test_twins_are_made_by_members_only_and_renewed_after_reinit(
 ) -> None:
     results = comm_run_distributed(forced_twins, str(tmp_path / "store2"), world_size=3)
     assert "global rank 0 is not a member" in results[0]["non_member"]
+    assert "get_world_size: global rank 0 is not a member" in results[0]["non_member_size"]
     for rank in (1, 2):
         r = results[rank]
         assert r["sub_twin_is_new"]

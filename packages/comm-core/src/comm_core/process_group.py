@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as torch_dist
+from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore (not in its stubs)
 
 from .errors import AlreadyInitializedError, LauncherError, NotInitializedError
 from .launcher import LAUNCHERS, LaunchEnv, current_node_key, infer_launcher, read_launch_env
@@ -25,7 +26,8 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 1800.0
-"""Default collective timeout in seconds: 30 minutes, as torch's."""
+"""Default collective timeout in seconds: 30 minutes, torch's default for gloo (torch's own
+default for nccl is 10 minutes: pass ``timeout=600`` to match it)."""
 
 _TORCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -103,7 +105,7 @@ def init_dist(
     try:
         os.environ.update(launch.as_environ())
         if _uses_cuda(backend):
-            torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(_cuda_index(launch.local_rank, torch.cuda.device_count()))
         if need_master:
             store = _loopback_store(launch, timeout)
             if store is None:
@@ -145,7 +147,7 @@ def _is_loopback(host: str | None) -> bool:
     return host is not None and (host.startswith("127.") or host in _LOOPBACK_NAMES)
 
 
-def _loopback_store(launch: LaunchEnv, timeout: float) -> torch_dist.TCPStore | None:
+def _loopback_store(launch: LaunchEnv, timeout: float) -> TCPStore | None:
     """The rendezvous store on 127.0.0.1, when every rank runs here; None otherwise.
 
     torch's own store listens on every interface. Under torchrun the agent has created the
@@ -159,7 +161,7 @@ def _loopback_store(launch: LaunchEnv, timeout: float) -> torch_dist.TCPStore | 
     port = int(launch.master_port or 0)
     wait = timedelta(seconds=timeout)
     if launch.rank != 0:
-        return torch_dist.TCPStore("127.0.0.1", port, launch.world_size, False, wait)
+        return TCPStore("127.0.0.1", port, launch.world_size, False, wait)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -173,9 +175,23 @@ def _loopback_store(launch: LaunchEnv, timeout: float) -> torch_dist.TCPStore | 
         )
         raise LauncherError(message) from exc
     # the store takes the listening socket over; it closes it when it is destroyed
-    return torch_dist.TCPStore(
+    return TCPStore(
         "127.0.0.1", port, launch.world_size, True, wait, master_listen_fd=listener.detach()
     )
+
+
+def _cuda_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a local rank: its own index, or 0 when each task sees one GPU."""
+    if visible <= 1:
+        return 0  # e.g. one GPU per task through CUDA_VISIBLE_DEVICES
+    if local_rank >= visible:
+        message = (
+            f"init_dist: local rank {local_rank} needs a GPU of its own, but this process sees "
+            f"{visible} GPUs; two ranks on one GPU fail later in NCCL ('Duplicate GPU'). Start "
+            "at most one rank per GPU on each node."
+        )
+        raise LauncherError(message)
+    return local_rank
 
 
 def _uses_cuda(backend: str) -> bool:
