@@ -207,3 +207,15 @@ def folder_world_size(tag_dir: Path) -> int | None:
     if optim:
         return len(optim)
     return None
+
+
+def native_layout(folder: Path) -> tuple[int | None, int | None]:
+    """``(ZeRO stage, data-parallel world size)`` recorded in a DeepSpeed tag folder."""
+    files = sorted(folder.glob("*model_states.pt"))
+    if not files:
+        return None, None
+    states = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    config = states.get("ds_config", {}) if isinstance(states, dict) else {}
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    world = states.get("dp_world_size") if isinstance(states, dict) else None
+    return (None if stage is None else int(stage)), (None if world is None else int(world))

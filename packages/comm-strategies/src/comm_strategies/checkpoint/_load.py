@@ -105,7 +105,9 @@ def load_checkpoint(
         from ._deepspeed import is_deepspeed_folder
 
         if is_deepspeed_folder(source):
-            _load_deepspeed_folder(source, model, kind, strict, load_optimizer, allow_unsafe_pickle)
+            _load_deepspeed_folder(
+                source, model, kind, optim_wrapper, strict, load_optimizer, allow_unsafe_pickle
+            )
             return {}
     manifest = read_manifest(source)
     _load_model_and_optimizer(
@@ -149,18 +151,41 @@ def _describe(data: Any) -> str:
 
 
 def _load_deepspeed_folder(
-    source: Path, model: nn.Module, kind: str, strict: bool, load_optimizer: bool, unsafe: bool
+    source: Path,
+    model: nn.Module,
+    kind: str,
+    optim_wrapper: Any,
+    strict: bool,
+    load_optimizer: bool,
+    unsafe: bool,
 ) -> None:
-    """DeepSpeed's own folder: natively into an engine, else consolidated into the model."""
-    from ._deepspeed import consolidate, load_native, require_unsafe, split_folder
+    """DeepSpeed's own folder: natively into an engine of its layout, else consolidated."""
+    from ._deepspeed import (
+        consolidate,
+        load_native,
+        native_layout,
+        require_unsafe,
+        split_folder,
+        zero_stage,
+    )
 
     require_unsafe(source, unsafe)
-    if kind == "deepspeed":
-        save_dir, tag = split_folder(source)
-        load_native(
-            deepspeed_engine(model), save_dir, tag, strict=strict, load_optimizer=load_optimizer
-        )
+    save_dir, tag = split_folder(source)
+    stage, world = native_layout(save_dir / tag)
+    engine = deepspeed_engine(model)
+    if engine is not None and stage == zero_stage(engine) and world == _dist.world_size():
+        load_native(engine, save_dir, tag, strict=strict, load_optimizer=load_optimizer)
         return
+    if load_optimizer and optim_wrapper is not None:
+        message = (
+            f"{source} is a DeepSpeed ZeRO-{stage} checkpoint of {world} rank(s): its "
+            "optimizer state loads only into a DeepSpeed engine of the same stage and world "
+            f"size (this is a {kind} model"
+            + (f", ZeRO-{zero_stage(engine)}" if engine is not None else "")
+            + f", {_dist.world_size()} rank(s)). Pass load_optimizer=False to load the "
+            "weights only."
+        )
+        raise CheckpointError(message)
     state = consolidate(source, allow_unsafe_pickle=unsafe)
     load_full_model_state_dict(model, state, strict, source=str(source))
 
