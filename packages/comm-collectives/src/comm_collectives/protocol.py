@@ -572,15 +572,21 @@ def _transport_error(
 ) -> CommError:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     me = get_rank(group)
+    lost = _silent_ranks(group)
     if "timed out" in text.lower() or "timeout" in text.lower():
+        silent = (
+            f" Rank(s) {', '.join(map(str, lost))} did not report alive within "
+            f"{_LIVENESS_WAIT_S:g} s (dead, or stuck elsewhere)."
+            if lost
+            else ""
+        )
         message = (
             f"{operation} timed out on rank {me} of the group (world size "
-            f"{get_world_size(group)}): {text}. Some rank did not reach this call, or is "
-            "stuck before it; run with COMM_DEBUG=1 to see each rank's call site, or raise "
+            f"{get_world_size(group)}): {text}.{silent} Some rank did not reach this call or "
+            "died in it; run with COMM_DEBUG=1 to see each rank's call site, or raise "
             "init_dist's timeout for slow steps."
         )
         return CommTimeoutError(message)
-    lost = _silent_ranks(group)
     if lost is None:
         cause = (
             "the rendezvous store does not answer either, so the rank that hosts it (rank 0 "
