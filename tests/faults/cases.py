@@ -199,7 +199,9 @@ def killed_rank(name: str, stage: str, folder: str) -> str:
             lost=all(f.error_type == "comm.RankLost" for f in exc.failures),
         )
     except CommTimeoutError as exc:  # a survivor that exchanges nothing with the victim
-        record.update(raised=type(exc).__name__, ranks=[victim], lost=f"Rank(s) {victim} " in str(exc))
+        record.update(
+            raised=type(exc).__name__, ranks=[victim], lost=f"Rank(s) {victim} " in str(exc)
+        )
     except Exception as exc:
         record["raised"] = f"unexpected {type(exc).__name__}: {exc}"
     finally:

@@ -29,7 +29,7 @@ from .protocol import (
     signature_of,
     transport,
 )
-from .tensors import prepare_reduction, reduce_op_name, reduce_rows
+from .tensors import check_op_dtype, prepare_reduction, reduce_op_name, reduce_rows
 
 __all__ = ["all_reduce_dict", "all_reduce_params"]
 
@@ -59,10 +59,14 @@ def all_reduce_dict(
         reduce_op_name(op)
         _check_dict(data)
         return
-    name, keys, values, error = "", [], [], None
+    name, error = "", None
+    keys: list[Any] = []
+    values: list[torch.Tensor] = []
     try:
         name = reduce_op_name(op)
         keys, values = _check_dict(data)
+        for value in values:
+            check_op_dtype(value.dtype, name, "all_reduce_dict")
         local_fault("local", "all_reduce_dict")
     except Exception as exc:
         error = exc
@@ -84,9 +88,7 @@ def all_reduce_dict(
     if payloads is not None:
         results = _reduce_inline(segments, payloads, name)
     else:
-        reductions = _prepare_all(
-            [seg.values for seg in segments], name, group, "all_reduce_dict"
-        )
+        reductions = _prepare_all([seg.values for seg in segments], name, group, "all_reduce_dict")
         results = [
             (seg, _unflat(seg.values, reduction.run()))
             for seg, reduction in zip(segments, reductions)
@@ -293,6 +295,7 @@ def all_reduce_params(
                     "not a tensor."
                 )
                 raise TypeError(message)
+            check_op_dtype(tensor.dtype, name, "all_reduce_params")
         local_fault("local", "all_reduce_params")
     except Exception as exc:
         error = exc

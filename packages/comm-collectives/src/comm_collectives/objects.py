@@ -212,6 +212,7 @@ def broadcast_object_list(
         TypeError: ``data`` is not a list.
         RemoteRankError: ``src`` could not pickle the list (raised on every rank).
     """
+
     def check() -> None:
         _check_root("broadcast_object_list", src, group, "src")
         if not isinstance(data, list):

@@ -35,15 +35,17 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast",
+    "check_op_dtype",
     "gather",
     "global_rank",
     "prepare_reduction",
     "reduce_inplace",
     "reduce_op_name",
     "reduce_rows",
-    "write_back",
     "sync_random_seed",
+    "write_back",
 ]
+
 
 def reduce_op_name(op: str) -> str:
     """Return the canonical name of a reduce op, or raise a ValueError listing the valid ones."""
@@ -94,6 +96,14 @@ def _check_bool_op(dtype: torch.dtype, op: str, operation: str) -> None:
             "'min' (all), or convert the tensor to an integer dtype."
         )
         raise TypeError(message)
+    if dtype.is_complex and op in ("max", "min"):
+        message = f"{operation}: op={op!r} is not defined for a complex tensor."
+        raise TypeError(message)
+
+
+def check_op_dtype(dtype: torch.dtype, op: str, operation: str) -> None:
+    """Raise a TypeError when ``op`` is not defined for ``dtype`` (bool sums, complex max)."""
+    _check_bool_op(dtype, op, operation)
 
 
 def _exact_mean(sums: torch.Tensor, world: int, dtype: torch.dtype, operation: str) -> torch.Tensor:
@@ -148,14 +158,13 @@ def reduce_rows(rows: torch.Tensor, op: str, operation: str, *, exact: bool = Tr
     world, dtype = rows.shape[0], rows.dtype
     _check_bool_op(dtype, op, operation)
     acc_dtype = _accumulator(dtype)
-    if op in ("max", "min") and (dtype.is_complex):
-        message = f"{operation}: op={op!r} is not defined for a complex tensor."
-        raise TypeError(message)
     acc = _widen(rows[0], acc_dtype, op).clone()
     for index in range(1, world):
         row = _widen(rows[index], acc_dtype, op)
         if op in ("sum", "mean"):
             acc.add_(row)
+        elif op == "product" and acc.is_complex():
+            acc = _complex_product(acc, row)
         elif op == "product":
             acc.mul_(row)
         elif op == "max":
@@ -170,6 +179,15 @@ def reduce_rows(rows: torch.Tensor, op: str, operation: str, *, exact: bool = Tr
     if dtype == torch.uint64:
         return (acc ^ _SIGN if op in ("max", "min") else acc).view(torch.uint64)
     return acc.to(dtype)
+
+
+def _complex_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a * b`` in real arithmetic, one rounding per step: a vectorised complex multiply
+    may round differently in the body of a loop and in its tail, and then a result would
+    depend on where in a buffer an element sits."""
+    ar, ai = a.real, a.imag
+    br, bi = b.real, b.imag
+    return torch.complex(ar * br - ai * bi, ar * bi + ai * br)
 
 
 def _inline_rows(peers: list[Peer], dtype: torch.dtype) -> list[torch.Tensor] | None:
@@ -197,9 +215,6 @@ class _Reduction:
     ) -> None:
         dtype = parts[0].dtype
         _check_bool_op(dtype, op, operation)
-        if op in ("max", "min") and dtype.is_complex:
-            message = f"{operation}: op={op!r} is not defined for a complex tensor."
-            raise TypeError(message)
         self.dtype, self.op, self.group, self.operation = dtype, op, group, operation
         self.world = get_world_size(group)
         device = get_comm_device(group)
