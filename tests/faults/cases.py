@@ -136,9 +136,18 @@ def _follow_up(rank: int, world: int) -> bool:
     return float(t) == world * (world + 1) / 2
 
 
-def fault_matrix() -> dict[str, Any]:
+def fault_matrix(compact: bool = False) -> dict[str, Any]:
     """Every (collective, kind) cell: what this rank raised, in how many seconds, and
-    whether the next all_reduce worked."""
+    whether the next all_reduce worked (``compact``: the exchange of large worlds)."""
+    saved = protocol.COMPACT_ABOVE
+    protocol.COMPACT_ABOVE = 1 if compact else saved
+    try:
+        return _fault_matrix()
+    finally:
+        protocol.COMPACT_ABOVE = saved
+
+
+def _fault_matrix() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     victim = world - 1
     out: dict[str, Any] = {}

@@ -45,9 +45,11 @@ def _pool(pools: dict[int, WorldPool], world: int) -> WorldPool:
     return pools[world]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_fault_raises_on_every_rank_in_time(pools: dict[int, WorldPool], world: int) -> None:
-    results = _pool(pools, world).run(cases.fault_matrix)
+@pytest.mark.parametrize(("world", "compact"), [(2, False), (3, False), (3, True)])
+def test_every_fault_raises_on_every_rank_in_time(
+    pools: dict[int, WorldPool], world: int, compact: bool
+) -> None:
+    results = _pool(pools, world).run(cases.fault_matrix, compact)
     victim = world - 1
     cells = results[0].keys()
     expected_cells = {

@@ -81,6 +81,7 @@ def all_reduce_dict(
         group,
         same=("reduce_op",),
         payload=_dict_payload(segments) if error is None else None,
+        varying=False,
     )
     if len({p.signature for p in peers}) > 1:
         _raise_key_mismatch(keys, values, group)
@@ -313,6 +314,7 @@ def all_reduce_params(
         group,
         same=("reduce_op", "signature"),
         hint="every rank must pass the same parameters (shapes, dtypes and devices, in order).",
+        varying=False,
     )
     if not tensors:
         return

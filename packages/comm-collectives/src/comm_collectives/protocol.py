@@ -65,6 +65,7 @@ from comm_core import (
 )
 
 __all__ = [
+    "COMPACT_ABOVE",
     "VERSION",
     "Header",
     "Inline",
@@ -76,6 +77,7 @@ __all__ = [
     "dtype_code",
     "dtype_name",
     "handshake",
+    "handshake_bytes",
     "inline_capacity",
     "inline_limit",
     "inline_payloads",
@@ -429,8 +431,17 @@ def handshake(
     same: Sequence[str] = (),
     hint: str = "",
     payload: Inline | None = None,
+    varying: bool = True,
 ) -> list[Peer]:
     """Exchange headers and raise the same error on every rank when something is wrong.
+
+    In a world larger than ``COMPACT_ABOVE`` every call starts with one all-reduce (max)
+    of the header and its negation, which tells every rank whether all headers are equal
+    and no rank failed. A call whose headers must be equal (``varying=False``) stops
+    there when they are; otherwise (a difference, a failure, debug mode, or a call that
+    needs each rank's header) the frames are gathered as in a small world. A small call's
+    handshake then costs ``ceil(log2 W) * 432`` bytes a rank (see ``handshake_bytes``)
+    and its data moves in a second collective.
 
     Args:
         header: This rank's header.
@@ -440,6 +451,8 @@ def handshake(
         hint: How to fix a mismatch, appended to the error.
         payload: Data to send inside the frame when it fits ``inline_capacity``. Its
             size is announced either way, so the group's capacity can grow to fit it.
+        varying: Whether the caller needs each rank's own header (shapes or sizes that may
+            differ, inline data); False allows the compact exchange in large worlds.
 
     Returns:
         Every rank's decoded header, index = rank in ``group``. ``Peer.payload`` holds the
@@ -454,6 +467,10 @@ def handshake(
     world = get_world_size(group)
     device = get_comm_device(group)
     header.debug = debug_enabled()
+    if world > COMPACT_ABOVE:  # every call starts with the vote: the same collective
+        agreed = _compact_vote(header, group, device)
+        if agreed is not None and not varying:
+            return agreed
     row = _HEADER_BYTES + capacity
     frame = torch.empty(row, dtype=torch.uint8, device=device)
     used = 0
@@ -518,6 +535,57 @@ def handshake(
             problem = f"the ranks passed different {label}."
             raise CollectiveMismatchError(header.operation, problem, table_rows(), hint)
     return peers
+
+
+# Above this world size, calls whose headers must be equal use the compact exchange.
+COMPACT_ABOVE = 64
+_INLINE_WORD = 9  # index of the inline-bytes word, the one word that may differ
+
+
+def _compact_vote(
+    header: Header, group: torch_dist.ProcessGroup | None, device: torch.device
+) -> list[Peer] | None:
+    """Every rank's header when all are equal and no rank failed, else None."""
+    header.inline = -1
+    words = header.encode()[: _FIELDS + MAX_DIMS]
+    vector = torch.tensor(words + [-w for w in words], dtype=torch.int64).to(device)
+    with transport(header.operation, group):
+        torch_dist.all_reduce(vector, torch_dist.ReduceOp.MAX, group=group)
+    both = vector.tolist()
+    high, low = both[: len(words)], [-w for w in both[len(words) :]]
+    if high != low or high[2] != 0 or high[10] != 0:  # a difference, a failure, debug mode
+        return None
+    peer = _decode(0, high + [0] * (_WIDTH - len(high)))
+    return [dataclasses.replace(peer, rank=rank) for rank in range(get_world_size(group))]
+
+
+def handshake_bytes(world: int, *, varying: bool = False, capacity: int | None = None) -> int:
+    """Bytes one rank receives in the handshake of one call (the byte model of the docs).
+
+    Args:
+        world: World size.
+        varying: Whether the call needs every rank's header (all_gather, gather, the object
+            collectives, collect_results); False for all_reduce, broadcast, all_reduce_dict,
+            all_reduce_params, sync_random_seed.
+        capacity: The group's inline capacity; its starting value when None.
+
+    Returns:
+        Bytes received per rank. The compact exchange all-reduces the header's 27 words and
+        their negations (432 bytes); the model takes the costlier of the usual algorithms
+        for a buffer that small, recursive doubling: ``ceil(log2 W) * 432``. Otherwise an
+        all-gather brings every other rank's frame: ``(W - 1) * (256 + capacity)``.
+    """
+    if world <= 1:
+        return 0
+    vote = 0
+    if world > COMPACT_ABOVE:
+        vote = (world - 1).bit_length() * 2 * 8 * (_FIELDS + MAX_DIMS)
+        if not varying:
+            return vote
+    if capacity is None:
+        maximum = max(64, min(_MAX_INLINE, _INLINE_BUDGET // world) // 64 * 64)
+        capacity = min(_BASE_INLINE, maximum)
+    return vote + (world - 1) * (_HEADER_BYTES + capacity)
 
 
 def agree(

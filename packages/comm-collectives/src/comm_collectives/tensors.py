@@ -338,6 +338,7 @@ def all_reduce(
         same=("dtype", "reduce_op", "shape"),
         hint="all_reduce needs the same shape, dtype and op on every rank.",
         payload=Inline.of_tensor(data) if ok else None,
+        varying=False,
     )
     rows = _inline_rows(peers, data.dtype)
     if rows is None:
@@ -557,6 +558,7 @@ def broadcast(
         same=("dtype", "root", "shape"),
         hint="broadcast needs a tensor of the same shape and dtype on every rank.",
         payload=Inline.of_tensor(data) if ok and me == src else None,
+        varying=False,
     )
     inline = peers[src].payload
     if inline is not None:
@@ -598,6 +600,7 @@ def sync_random_seed(group: torch_dist.ProcessGroup | None = None) -> int:
         Header("sync_random_seed", error=error),
         group,
         payload=Inline.of_tensor(mine) if get_rank(group) == 0 else None,
+        varying=False,
     )
     drawn = peers[0].payload
     if drawn is None:  # inline data switched off (protocol.inline_limit(0))
