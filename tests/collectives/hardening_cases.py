@@ -146,3 +146,34 @@ def mismatch_pickles() -> dict[str, Any]:
         again = pickle.loads(pickle.dumps(exc))
         out["remote"] = (str(again) == str(exc), again.ranks, again.operation)
     return out
+
+
+def side_channel_counts() -> dict[str, Any]:
+    """Collectives on the group itself and on the side group, per call, with the headers on
+    the side group (the nccl layout, forced on gloo)."""
+    rank = dist.get_rank()
+    group = torch_dist.distributed_c10d._get_default_group()
+    saved = protocol.side_channel
+    protocol.side_channel = True
+    try:
+        side = protocol.header_route(group)[0]
+        assert side is not None
+        out: dict[str, Any] = {}
+        for name, path in (("inline", False), ("long", True)):
+            t = torch.full((3,), float(rank + 1))
+            data0 = group._get_sequence_number_for_group()
+            side0 = side._get_sequence_number_for_group()
+            limit = protocol.inline_limit(0) if path else contextlib.nullcontext()
+            with limit:
+                dist.all_reduce(t)
+            out[name] = (
+                t.tolist(),
+                group._get_sequence_number_for_group() - data0,
+                side._get_sequence_number_for_group() - side0,
+            )
+        out["mismatch"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
+        out["remote"] = _caught(dist.all_reduce, torch.ones(2), op="avg" if rank else "sum")[0]
+        out["same_side"] = protocol.header_route(group)[0] is side
+        return out
+    finally:
+        protocol.side_channel = saved

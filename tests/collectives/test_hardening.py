@@ -133,3 +133,15 @@ def test_errors_survive_pickling(run_distributed: Any) -> None:
     for r in run_distributed(hardening_cases.mismatch_pickles, world_size=2):
         assert r["mismatch"] == (True, True, "all_reduce")
         assert r["remote"] == (True, (0,), "all_gather_object")
+
+
+def test_headers_can_travel_on_a_cpu_side_group(run_distributed: Any) -> None:
+    for r in run_distributed(hardening_cases.side_channel_counts, world_size=2):
+        # inline: the data rides in the headers, all on the side group
+        assert r["inline"] == ([3.0] * 3, 0, 1)
+        # long: handshake and vote on the side group, the data (all-to-all, all-gather)
+        # on the group itself
+        assert r["long"] == ([3.0] * 3, 2, 2)
+        assert r["mismatch"] == "CollectiveMismatchError"
+        assert r["remote"] == "RemoteRankError"
+        assert r["same_side"] is True

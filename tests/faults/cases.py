@@ -244,3 +244,17 @@ def debug_on_some_ranks() -> dict[str, Any]:
         else:
             os.environ["COMM_DEBUG"] = previous
     return {"sum": float(t), "gathered": gathered, "box": box, "mismatch": mismatch}
+
+
+def side_channel_matrix() -> dict[str, Any]:
+    """The fault matrix with the headers on a CPU side group, as under nccl."""
+    saved = protocol.side_channel
+    protocol.side_channel = True
+    try:
+        out = _fault_matrix()
+        group = torch.distributed.distributed_c10d._get_default_group()
+        side = protocol.header_route(group)[0]
+        out["side group"] = side is not group and side is not None
+        return out
+    finally:
+        protocol.side_channel = saved

@@ -45,11 +45,22 @@ def _pool(pools: dict[int, WorldPool], world: int) -> WorldPool:
     return pools[world]
 
 
-@pytest.mark.parametrize(("world", "compact"), [(2, False), (3, False), (3, True)])
+# "plain": headers and data on one group; "compact": the exchange of worlds over 64 ranks;
+# "side": headers on a CPU side group, data on the group itself (the nccl layout)
+MODES = [(2, "plain"), (3, "plain"), (3, "compact"), (3, "side")]
+
+
+@pytest.mark.parametrize(("world", "mode"), MODES)
 def test_every_fault_raises_on_every_rank_in_time(
-    pools: dict[int, WorldPool], world: int, compact: bool
+    pools: dict[int, WorldPool], world: int, mode: str
 ) -> None:
-    results = _pool(pools, world).run(cases.fault_matrix, compact)
+    pool = _pool(pools, world)
+    if mode == "side":
+        results = pool.run(cases.side_channel_matrix)
+        for r in results:
+            assert r.pop("side group") is True
+    else:
+        results = pool.run(cases.fault_matrix, mode == "compact")
     victim = world - 1
     cells = results[0].keys()
     expected_cells = {

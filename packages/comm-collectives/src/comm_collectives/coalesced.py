@@ -209,7 +209,9 @@ def _dict_payload(segments: list[_Segment]) -> Inline:
             for seg in segments:
                 out[seg.offset : seg.offset + seg.nbytes].view(seg.dtype).copy_(_flat(seg))
 
-    return Inline(total, write)
+    # data on an accelerator never rides in headers that travel on the CPU
+    devices = [v.device for seg in segments for v in seg.values if v.device.type != "cpu"]
+    return Inline(total, write, devices[0] if devices else torch.device("cpu"))
 
 
 def _reduce_inline(

@@ -265,12 +265,15 @@ class Inline:
 
     Attributes:
         nbytes: Size of the data in bytes.
-        write: Fills a uint8 tensor of ``nbytes`` bytes (on the communication device)
+        write: Fills a uint8 tensor of ``nbytes`` bytes (on the device of the headers)
             with the data; called only when the data fits the group's inline capacity.
+        device: Where the data lies: data on an accelerator never rides in headers that
+            travel on the CPU side group (copying it to the host would wait for the device).
     """
 
     nbytes: int
     write: Callable[[torch.Tensor], None]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
     def of_tensor(cls, tensor: torch.Tensor) -> Inline:
@@ -281,7 +284,7 @@ class Inline:
             if nbytes:
                 out.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
 
-        return cls(nbytes, write)
+        return cls(nbytes, write, tensor.device)
 
 
 @dataclass
@@ -326,6 +329,65 @@ def _state(group: torch_dist.ProcessGroup | None) -> _InlineState:
         maximum = max(64, min(_MAX_INLINE, _INLINE_BUDGET // world) // 64 * 64)
         state = _states[key] = _InlineState(min(_BASE_INLINE, maximum), maximum)
     return state
+
+
+# Where the headers travel. A group whose communication device is not the CPU (nccl)
+# exchanges them on a CPU side group, so reading them never waits for the device: the
+# data stays on the device and the host keeps running ahead. None: automatic; True forces
+# the side group (the tests run this path on gloo), False keeps the headers on the
+# communication device.
+side_channel: bool | None = None
+
+_side_groups: weakref.WeakKeyDictionary[torch_dist.ProcessGroup, torch_dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def header_route(
+    group: torch_dist.ProcessGroup | None,
+) -> tuple[torch_dist.ProcessGroup | None, torch.device]:
+    """The group and the device the handshake of a call on ``group`` uses."""
+    device = get_comm_device(group)
+    use = side_channel if side_channel is not None else device.type != "cpu"
+    if not use:
+        return group, device
+    return _side_group(group), torch.device("cpu")
+
+
+def _has_cpu_backend(pg: torch_dist.ProcessGroup) -> bool:
+    try:
+        pg._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _side_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup:
+    c10d = torch_dist.distributed_c10d
+    pg = group if group is not None and group is not torch_dist.group.WORLD else None
+    pg = pg or c10d._get_default_group()
+    if side_channel is None and _has_cpu_backend(pg):  # "cpu:gloo,cuda:nccl": its gloo part
+        return pg
+    side = _side_groups.get(pg)
+    if side is not None and side in c10d._world.pg_map:
+        return side
+    ranks = torch_dist.get_process_group_ranks(pg)
+    # created by the members only (every rank of the group makes this call now), under a
+    # name derived from the ranks: a gloo group of the same ranks made that way is reused
+    name = c10d._hash_ranks_to_str(ranks)
+    side = next((g for g, n in c10d._world.pg_names.items() if n == name), None)
+    if side is None:
+        side = torch_dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    elif not _has_cpu_backend(side):
+        message = (
+            f"comm-collectives needs a CPU (gloo) side group for the headers of ranks "
+            f"{ranks}, and a group of those ranks created with use_local_synchronization=True "
+            "and no CPU backend already holds its name; create that group with "
+            'backend="cpu:gloo,cuda:nccl" instead.'
+        )
+        raise RuntimeError(message)
+    _side_groups[pg] = side
+    return side
 
 
 def inline_capacity(group: torch_dist.ProcessGroup | None = None) -> int:
@@ -465,7 +527,9 @@ def handshake(
     state = _state(group)
     capacity = state.capacity
     world = get_world_size(group)
-    device = get_comm_device(group)
+    group, device = header_route(group)
+    if device.type == "cpu" and payload is not None and payload.device.type != "cpu":
+        payload = None  # device data goes by the long path, never through the host
     header.debug = debug_enabled()
     if world > COMPACT_ABOVE:  # every call starts with the vote: the same collective
         agreed = _compact_vote(header, group, device)
@@ -605,12 +669,13 @@ def agree(
     Raises:
         RemoteRankError: Some rank passed an error (raised on every rank).
     """
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    flag = flag.to(get_comm_device(group))
-    with transport(operation, group):
-        torch_dist.all_reduce(flag, torch_dist.ReduceOp.MAX, group=group)
+    route, device = header_route(group)
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64).to(device)
+    with transport(operation, route):
+        torch_dist.all_reduce(flag, torch_dist.ReduceOp.MAX, group=route)
     if int(flag.item()):
-        raise_everywhere(operation, error, group)
+        failure = None if error is None else _failure_of(error, route)
+        _gather_and_raise(operation, failure, error, route)
 
 
 # How long a rank that saw a transport error waits for the others to report alive.
@@ -718,8 +783,9 @@ def raise_everywhere(
     Every rank calls this at the same point, once the ranks agree that the call failed;
     ``error`` is this rank's own failure, or None when this rank only reports the others'.
     """
-    failure = None if error is None else _failure_of(error, group)
-    _gather_and_raise(operation, failure, error, group)
+    route, _ = header_route(group)
+    failure = None if error is None else _failure_of(error, route)
+    _gather_and_raise(operation, failure, error, route)
 
 
 def _failure_of(error: BaseException, group: torch_dist.ProcessGroup | None) -> RankFailure:
