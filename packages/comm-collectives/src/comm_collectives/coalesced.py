@@ -176,10 +176,8 @@ def _layout_signature(keys: list[Any], values: list[torch.Tensor]) -> int:
     same layout."""
     words: list[int] = []
     for value in values:
-        words.append(dtype_code(value.dtype))
-        words.append(_DEVICE_TYPES.get(value.device.type, 99))
-        words.append(value.dim())
-        words.extend(value.shape)
+        words += (dtype_code(value.dtype), _DEVICE_TYPES.get(value.device.type, 99), value.dim())
+        words += value.shape
     digest = hashlib.blake2b(repr(keys).encode(), digest_size=8)
     digest.update(array("q", words).tobytes())
     return int.from_bytes(digest.digest(), "little") >> 1

@@ -136,15 +136,21 @@ def _all_dtypes() -> dict[str, torch.dtype]:
 _DTYPES_BY_NAME = _all_dtypes()
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    """A stable nonzero 62-bit code of ``dtype``: a digest of its name, the same on every
-    rank and in every version (float8 variants, unsigned and complex types included)."""
+def _code_of(dtype: torch.dtype) -> int:
     name = str(dtype).replace("torch.", "")
     digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 2) | 1
 
 
-_DTYPE_NAMES = {dtype_code(d): n for n, d in _DTYPES_BY_NAME.items()}
+_DTYPE_CODES = {d: _code_of(d) for d in _DTYPES_BY_NAME.values()}
+_DTYPE_NAMES = {code: str(d).replace("torch.", "") for d, code in _DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A stable nonzero 62-bit code of ``dtype``: a digest of its name, the same on every
+    rank and in every version (float8 variants, unsigned and complex types included)."""
+    code = _DTYPE_CODES.get(dtype)
+    return _code_of(dtype) if code is None else code
 
 
 def dtype_name(code: int) -> str:
