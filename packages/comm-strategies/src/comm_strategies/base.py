@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -156,11 +157,9 @@ class Strategy:
     def _seed_everything(seed: int) -> None:
         random.seed(seed)
         torch.manual_seed(seed)
-        try:
-            import numpy
-        except ImportError:  # pragma: no cover - numpy comes with most torch installs
-            return
-        numpy.random.seed(seed % 2**32)
+        numpy = sys.modules.get("numpy")  # seeded when in use; not a dependency
+        if numpy is not None:
+            numpy.random.seed(seed % 2**32)
 
     def teardown(self) -> None:
         """Destroy the process group if `setup_env` created it."""
@@ -215,7 +214,7 @@ class Strategy:
         wrapped = self._wrap_model(module)
         wrapped = self._compile(wrapped, compile)
         wrapped, optim = self._build_optimizer(wrapped, optim_wrapper, names, schedulers_in, dispatch)
-        schedulers = build_schedulers(param_scheduler, self._schedule_target(optim))
+        schedulers = self._build_schedulers(param_scheduler, self._schedule_target(optim))
         max_iters = dispatch.get("max_iters")
         if optim is not None and max_iters is not None:
             for each in optimizers_of(optim):
@@ -277,6 +276,10 @@ class Strategy:
             if is_optim_wrapper(each) and isinstance(each.optimizer, torch.optim.Optimizer):
                 each.optimizer = rebuild_over(each.optimizer, names, model, schedulers)
         return model, optim
+
+    def _build_schedulers(self, config: Any, optimizer: Any) -> list[Any]:
+        """Build the scheduler configs over ``optimizer``; built schedulers pass through."""
+        return build_schedulers(config, optimizer)
 
     def _schedule_target(self, optim_wrapper: Any) -> Any:
         """The torch optimizer that scheduler configs are built over (None: no optimizer)."""
