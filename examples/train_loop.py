@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     strategy.setup_env()  # the process group, then the seed: the model's init is seeded too
     model, optim_wrapper, schedulers = strategy.prepare(
         DigitsNet(),
-        optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="AdamW", lr=2e-3)),
-        param_scheduler=dict(type="CosineAnnealingLR", T_max=args.steps),
+        optim_wrapper={"type": "OptimWrapper", "optimizer": {"type": "AdamW", "lr": 2e-3}},
+        param_scheduler={"type": "CosineAnnealingLR", "T_max": args.steps},
     )
     images, labels = load_digits()
     rank, world = strategy.rank, strategy.world_size

@@ -68,7 +68,9 @@ def main() -> int:
         # The layers further down come with the one beneath (each pins the next), so an
         # upper layer may import them too: comm_strategies reaches comm_core's functions
         # through comm_collectives, as comm_wrappers does.
-        allowed |= {layer.replace("-", "_") for layer in LAYERS[: max(index - 1, 0)]} - {"comm_core"}
+        allowed |= {layer.replace("-", "_") for layer in LAYERS[: max(index - 1, 0)]} - {
+            "comm_core"
+        }
         upper = {layer.replace("-", "_") for layer in LAYERS[index + 1 :]}
         for path in sorted((folder / "src").rglob("*.py")):
             relative = path.relative_to(folder / "src").as_posix()

@@ -11,7 +11,6 @@ import copy
 from typing import Any
 
 import torch
-from torch import nn
 
 import comm_collectives as dist
 from comm_strategies import build_strategy
@@ -167,7 +166,9 @@ def deepspeed_config_forms(path: str) -> dict[str, Any]:
         bf16=True,
         inputs_to_half=[0],
     )
-    model2, optim2, _ = own.prepare(make_net(), dispatch_kwargs={"train_micro_batch_size_per_gpu": 4})
+    model2, optim2, _ = own.prepare(
+        make_net(), dispatch_kwargs={"train_micro_batch_size_per_gpu": 4}
+    )
     model2.train_step(batch(0, 0, dist.get_rank()), optim2)
     conflict = build_strategy("deepspeed", gradient_accumulation_steps=4)
     try:
@@ -184,5 +185,3 @@ def deepspeed_config_forms(path: str) -> dict[str, Any]:
         "bf16_params": {str(p.dtype) for p in model2.model.module.parameters()},
         "conflict": conflict_message,
     }
-
-

@@ -39,12 +39,16 @@ class Classifier(BaseModel):  # type: ignore[misc]
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
+        )
 
     def forward(self, inputs: Any, data_samples: Any = None, mode: str = "tensor") -> Any:
         logits = self.body(torch.stack(inputs) if isinstance(inputs, list) else inputs)
         if mode == "loss":
-            return {"loss": torch.nn.functional.cross_entropy(logits, torch.as_tensor(data_samples))}
+            return {
+                "loss": torch.nn.functional.cross_entropy(logits, torch.as_tensor(data_samples))
+            }
         if mode == "predict":
             return list(zip(logits.argmax(-1).tolist(), torch.as_tensor(data_samples).tolist()))
         return logits
@@ -95,7 +99,10 @@ def _runner(strategy: dict[str, Any], work_dir: str, epochs: int, resume: bool, 
         train_dataloader=_loader(True),
         val_dataloader=_loader(False),
         val_evaluator={"type": Accuracy},
-        optim_wrapper={"type": "OptimWrapper", "optimizer": {"type": "SGD", "lr": 0.2, "momentum": 0.9}},
+        optim_wrapper={
+            "type": "OptimWrapper",
+            "optimizer": {"type": "SGD", "lr": 0.2, "momentum": 0.9},
+        },
         param_scheduler={"type": "MultiStepLR", "milestones": [1], "gamma": 0.5, "by_epoch": True},
         train_cfg={"by_epoch": True, "max_epochs": epochs, "val_interval": 1},
         val_cfg={},
@@ -110,7 +117,9 @@ def _runner(strategy: dict[str, Any], work_dir: str, epochs: int, resume: bool, 
     return runner, hook
 
 
-def train_validate(strategy: dict[str, Any], work_dir: str, with_checkpoints: bool) -> dict[str, Any]:
+def train_validate(
+    strategy: dict[str, Any], work_dir: str, with_checkpoints: bool
+) -> dict[str, Any]:
     """Train 2 epochs (validating each), then, with checkpoints, resume a 3rd from the 2nd."""
     work = str(Path(work_dir) / "run")
     runner, hook = _runner(strategy, work, 2, False, with_checkpoints)

@@ -27,7 +27,8 @@ def _losses(text: str) -> list[float]:
 def run_loop_in_world(strategies: list[str]) -> dict[str, list[float]]:
     """Run the example's main on this rank of the test world, once per strategy."""
     spec = importlib.util.spec_from_file_location("train_loop", LOOP)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = {}
@@ -66,7 +67,8 @@ def test_the_loop_gives_the_same_losses_under_every_strategy(run_distributed: An
     # Every strategy computes the same updates from the same global batches: the printed
     # (rank-averaged) losses agree to the printed digits.
     reference = _run_script("single", 1)  # a plain process
-    assert len(reference) == 3 and reference[-1] < reference[0]
+    assert len(reference) == 3
+    assert reference[-1] < reference[0]
     names = ["ddp", "fsdp", "fsdp2", "deepspeed"]
     by_rank = run_distributed(run_loop_in_world, names, timeout=240)
     for name in names:

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("mmengine")
 pytest.importorskip("cv2")  # mmengine.runner imports it
 
-from . import runner_cases  # noqa: E402
+from . import runner_cases
 
 STRATEGIES = [
     {"type": "CommDDPStrategy"},

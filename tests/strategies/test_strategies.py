@@ -55,7 +55,9 @@ def test_prepare_twice_setup_env_and_deepspeed_forms(run_distributed: Any, tmp_p
     facts = run_distributed(cases.setup_env_facts, timeout=60)
     for rank, fact in enumerate(facts):
         assert fact["before"] is None
-        assert fact["same_seed"] and fact["same_draw"] and fact["ranked"]
+        assert fact["same_seed"]
+        assert fact["same_draw"]
+        assert fact["ranked"]
         assert (fact["rank"], fact["world"], fact["distributed"]) == (rank, 2, True)
         assert fact["owns_group"] is False  # the world existed: not ours to destroy
     forms = run_distributed(cases.deepspeed_config_forms, str(tmp_path / "ds.json"), timeout=240)

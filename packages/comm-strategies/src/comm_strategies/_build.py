@@ -82,7 +82,9 @@ def build_optimizer(config: Any, model: nn.Module) -> torch.optim.Optimizer:
         )
         raise TypeError(message)
     options = copy.deepcopy(dict(config))
-    kind = _resolve(options.pop("type", None) or _require_type(config, "optimizer"), torch.optim, "optimizer")
+    kind = _resolve(
+        options.pop("type", None) or _require_type(config, "optimizer"), torch.optim, "optimizer"
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer: torch.optim.Optimizer = kind(params, **options)
     return optimizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import random
 import sys
@@ -146,7 +147,7 @@ class Strategy:
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         torch_dist.init_process_group(
             backend,
-            store=torch_dist.HashStore(),
+            store=torch_dist.HashStore(),  # type: ignore[attr-defined]
             rank=0,
             world_size=1,
             timeout=timedelta(seconds=self.timeout),
@@ -213,7 +214,9 @@ class Strategy:
         self._check_optimizer_before_wrapping(optim_wrapper, module)
         wrapped = self._wrap_model(module)
         wrapped = self._compile(wrapped, compile)
-        wrapped, optim = self._build_optimizer(wrapped, optim_wrapper, names, schedulers_in, dispatch)
+        wrapped, optim = self._build_optimizer(
+            wrapped, optim_wrapper, names, schedulers_in, dispatch
+        )
         schedulers = self._build_schedulers(param_scheduler, self._schedule_target(optim))
         max_iters = dispatch.get("max_iters")
         if optim is not None and max_iters is not None:
@@ -251,7 +254,7 @@ class Strategy:
     def _compile(self, model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
         if not compile:
             return model
-        options = {} if compile is True else copy.deepcopy(dict(compile))  # type: ignore[arg-type]
+        options: dict[str, Any] = {} if compile is True else copy.deepcopy(dict(compile))
         target = options.pop("target", "forward")
         method = getattr(model, target, None)
         if not callable(method):
@@ -315,16 +318,17 @@ class Strategy:
             The checkpoint directory.
         """
         self._require_prepared("save_checkpoint")
-        from .checkpoint import save_checkpoint
-
-        return save_checkpoint(
-            self._resolve(path),
-            model=self.model,
-            optim_wrapper=self.optim_wrapper if save_optimizer else None,
-            schedulers=self.param_schedulers if save_param_scheduler else (),
-            strategy=self.name,
-            extra=None if extra is None else dict(extra),
-            sharded=sharded,
+        checkpoint = _checkpoint()
+        return Path(
+            checkpoint.save_checkpoint(
+                self._resolve(path),
+                model=self.model,
+                optim_wrapper=self.optim_wrapper if save_optimizer else None,
+                schedulers=self.param_schedulers if save_param_scheduler else (),
+                strategy=self.name,
+                extra=None if extra is None else dict(extra),
+                sharded=sharded,
+            )
         )
 
     def load_checkpoint(
@@ -339,16 +343,17 @@ class Strategy:
         Collective. Returns the checkpoint's user state (``extra``).
         """
         self._require_prepared("load_checkpoint")
-        from .checkpoint import load_checkpoint
-
-        return load_checkpoint(
-            self._resolve(path),
-            model=self.model,
-            strict=strict,
-            load_optimizer=False,
-            load_schedulers=False,
-            load_rng=False,
-            allow_unsafe_pickle=allow_unsafe_pickle,
+        checkpoint = _checkpoint()
+        return dict(
+            checkpoint.load_checkpoint(
+                self._resolve(path),
+                model=self.model,
+                strict=strict,
+                load_optimizer=False,
+                load_schedulers=False,
+                load_rng=False,
+                allow_unsafe_pickle=allow_unsafe_pickle,
+            )
         )
 
     def resume(
@@ -373,55 +378,52 @@ class Strategy:
             The checkpoint's user state (``extra``).
         """
         self._require_prepared("resume")
-        from .checkpoint import find_latest, load_checkpoint
-
+        checkpoint = _checkpoint()
         if path is None:
             if self._work_dir is None:
                 message = "resume() without a path needs the strategy's work_dir"
                 raise ValueError(message)
-            latest = find_latest(self._work_dir)
+            latest = checkpoint.find_latest(self._work_dir)
             if latest is None:
                 message = f"resume(): no complete checkpoint under {self._work_dir}"
                 raise FileNotFoundError(message)
             path = latest
-        return load_checkpoint(
-            self._resolve(path),
-            model=self.model,
-            optim_wrapper=self.optim_wrapper,
-            schedulers=self.param_schedulers,
-            load_optimizer=resume_optimizer,
-            load_schedulers=resume_param_scheduler,
-            load_rng=load_rng,
-            allow_unsafe_pickle=allow_unsafe_pickle,
+        return dict(
+            checkpoint.load_checkpoint(
+                self._resolve(path),
+                model=self.model,
+                optim_wrapper=self.optim_wrapper,
+                schedulers=self.param_schedulers,
+                load_optimizer=resume_optimizer,
+                load_schedulers=resume_param_scheduler,
+                load_rng=load_rng,
+                allow_unsafe_pickle=allow_unsafe_pickle,
+            )
         )
 
     def model_state_dict(self) -> dict[str, Any]:
         """The full, unprefixed model state on the CPU, on every rank (collective)."""
         self._require_prepared("model_state_dict")
-        from .checkpoint import full_model_state_dict
-
-        return full_model_state_dict(self.model)
+        checkpoint = _checkpoint()
+        return dict(checkpoint.full_model_state_dict(self.model))
 
     def optim_state_dict(self) -> dict[str, Any]:
         """The full optimizer state keyed by parameter names (collective)."""
         self._require_prepared("optim_state_dict")
-        from .checkpoint import full_optim_state_dict
-
-        return full_optim_state_dict(self.model, self.optim_wrapper)
+        checkpoint = _checkpoint()
+        return dict(checkpoint.full_optim_state_dict(self.model, self.optim_wrapper))
 
     def load_model_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Load a full model state (unprefixed names) into the prepared model (collective)."""
         self._require_prepared("load_model_state_dict")
-        from .checkpoint import load_full_model_state_dict
-
-        load_full_model_state_dict(self.model, dict(state_dict), strict=strict)
+        checkpoint = _checkpoint()
+        checkpoint.load_full_model_state_dict(self.model, dict(state_dict), strict=strict)
 
     def load_optim_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full optimizer state (from `optim_state_dict`) (collective)."""
         self._require_prepared("load_optim_state_dict")
-        from .checkpoint import load_full_optim_state_dict
-
-        load_full_optim_state_dict(self.model, self.optim_wrapper, dict(state_dict))
+        checkpoint = _checkpoint()
+        checkpoint.load_full_optim_state_dict(self.model, self.optim_wrapper, dict(state_dict))
 
     def _resolve(self, path: str | os.PathLike[str]) -> Path:
         resolved = Path(path)
@@ -432,6 +434,11 @@ class Strategy:
     def __repr__(self) -> str:
         state = "prepared" if self._prepared else "not prepared"
         return f"{type(self).__name__}(name={self.name!r}, {state})"
+
+
+def _checkpoint() -> Any:
+    """The checkpoint contract (``comm_strategies.checkpoint``), imported when first used."""
+    return importlib.import_module(".checkpoint", __package__)
 
 
 def _built_schedulers(config: Any) -> list[Any]:

@@ -52,7 +52,9 @@ class DDPStrategy(Strategy):
         self.model_wrapper = copy.deepcopy(dict(model_wrapper or {}))
         kind = self.model_wrapper.get("type", "MMDistributedDataParallel")
         if isinstance(kind, str) and kind not in _WRAPPERS:
-            message = f"model_wrapper type must be one of {', '.join(_WRAPPERS)} or a class, got {kind!r}"
+            message = (
+                f"model_wrapper type must be one of {', '.join(_WRAPPERS)} or a class, got {kind!r}"
+            )
             raise ValueError(message)
         self.sync_bn = sync_bn
 
@@ -61,7 +63,7 @@ class DDPStrategy(Strategy):
         kind = options.pop("type", "MMDistributedDataParallel")
         wrapper = _WRAPPERS[kind] if isinstance(kind, str) else kind
         if self.sync_bn == "torch":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
         model = model.to(_rank_device())
         wrapped: nn.Module = wrapper(model, **options)
         return wrapped
@@ -74,4 +76,6 @@ def _rank_device() -> Any:
     device = dist.get_device()
     if device == "cpu":
         return torch.device("cpu")
-    return torch.device(device, dist.get_local_rank() % max(getattr(torch, device).device_count(), 1))
+    return torch.device(
+        device, dist.get_local_rank() % max(getattr(torch, device).device_count(), 1)
+    )

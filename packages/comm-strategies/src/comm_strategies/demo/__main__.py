@@ -8,6 +8,7 @@ for evaluation by one plain process.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -28,11 +29,7 @@ def _free_port() -> int:
 
 
 def _checkpoints_available() -> bool:
-    try:
-        import comm_strategies.checkpoint  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("comm_strategies.checkpoint") is not None
 
 
 def _run(name: str, nproc: int, work: Path, epochs: int, extra: list[str], timeout: float) -> Any:

@@ -36,6 +36,7 @@ from mmengine.registry import MODELS, PARAM_SCHEDULERS, STRATEGIES
 
 import comm_collectives as dist
 
+from ..base import Strategy
 from ..ddp import DDPStrategy
 from ..deepspeed import DeepSpeedStrategy
 from ..fsdp import FSDPStrategy
@@ -81,7 +82,7 @@ def _decode_message_hub(state: Any) -> Any:
     return out
 
 
-class MMEngineStrategyMixin:
+class MMEngineStrategyMixin(Strategy):
     """What MMEngine's ``FlexibleRunner`` needs from a strategy, on top of a comm `Strategy`.
 
     Args:
@@ -132,7 +133,7 @@ class MMEngineStrategyMixin:
     def timestamp(self) -> str:
         """Rank 0's start time (``%Y%m%d_%H%M%S``), the same on every rank."""
         if self._timestamp is None:
-            self.setup_env()  # type: ignore[attr-defined]
+            self.setup_env()
             stamp = [time.strftime("%Y%m%d_%H%M%S", time.localtime())]
             dist.broadcast_object_list(stamp, src=0)
             self._timestamp = str(stamp[0])
@@ -146,7 +147,7 @@ class MMEngineStrategyMixin:
     @property
     def log_dir(self) -> str:
         """``work_dir/timestamp`` (created at first use)."""
-        path = Path(self.work_dir) / self.timestamp  # type: ignore[attr-defined]
+        path = Path(self.work_dir or ".") / self.timestamp
         path.mkdir(parents=True, exist_ok=True)
         return str(path)
 
@@ -162,18 +163,9 @@ class MMEngineStrategyMixin:
         return self._logger
 
     @property
-    def launcher(self) -> str:
-        """The launcher in use (``"none"`` in a plain process)."""
-        return self.__dict__.get("launcher") or dist.infer_launcher()
-
-    @launcher.setter
-    def launcher(self, value: str | None) -> None:
-        self.__dict__["launcher"] = value
-
-    @property
     def randomness(self) -> dict[str, Any]:
         """The runner's randomness settings, with the seed in use."""
-        return {**self._randomness, "seed": self.seed}  # type: ignore[attr-defined]
+        return {**self._randomness, "seed": self.seed}
 
     def collect_env(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """System and runtime facts for the runner's log."""
@@ -181,9 +173,9 @@ class MMEngineStrategyMixin:
 
         runtime = dict(self._env_kwargs)
         runtime.update(self.randomness)
-        runtime["Distributed launcher"] = self.launcher
-        runtime["Distributed training"] = self.distributed  # type: ignore[attr-defined]
-        runtime["World size"] = self.world_size  # type: ignore[attr-defined]
+        runtime["Distributed launcher"] = self.launcher or dist.infer_launcher()
+        runtime["Distributed training"] = self.distributed
+        runtime["World size"] = self.world_size
         runtime["Strategy"] = type(self).__name__
         return dict(collect_env()), runtime
 
@@ -203,14 +195,14 @@ class MMEngineStrategyMixin:
         without an optimizer: that returns the prepared objects. Any other second call is
         an error, as in `Strategy`.
         """
-        if self._prepared and optim_wrapper is None and model in (self.model, self._source_model):  # type: ignore[attr-defined]
-            return self.model, self.optim_wrapper, self.param_schedulers  # type: ignore[attr-defined]
+        if self._prepared and optim_wrapper is None and model in (self.model, self._source_model):
+            return self.model, self.optim_wrapper, self.param_schedulers
         self._source_model = model
         dispatch = dict(dispatch_kwargs or {})
         self._dispatch = dispatch
         if isinstance(compile, Mapping) and compile.get("target") == "train_step":
             compile = {**compile, "target": "forward"}  # compile the model, not the step
-        return super().prepare(  # type: ignore[misc]
+        return super().prepare(
             model,
             optim_wrapper=optim_wrapper,
             param_scheduler=param_scheduler,
@@ -221,7 +213,7 @@ class MMEngineStrategyMixin:
     def _build_model(self, model: Any) -> torch.nn.Module:
         if isinstance(model, Mapping) and isinstance(model.get("type"), str):
             model = MODELS.build(copy.deepcopy(dict(model)))
-        built: torch.nn.Module = super()._build_model(model)  # type: ignore[misc]
+        built: torch.nn.Module = super()._build_model(model)
         init = getattr(built, "init_weights", None)
         if callable(init) and self._dispatch.get("init_weights_for_test_or_val", True):
             init()
@@ -268,7 +260,7 @@ class MMEngineStrategyMixin:
             callback(checkpoint)
         if "message_hub" in checkpoint:
             checkpoint["message_hub"] = _encode_message_hub(checkpoint["message_hub"])
-        return super().save_checkpoint(  # type: ignore[misc, no-any-return]
+        return super().save_checkpoint(
             filename,
             save_optimizer=save_optimizer,
             save_param_scheduler=save_param_scheduler,
@@ -287,7 +279,7 @@ class MMEngineStrategyMixin:
         **kwargs: Any,
     ) -> dict[str, Any]:
         """MMEngine's signature; ``module.`` prefixes are handled by the checkpoint loader."""
-        extra: dict[str, Any] = super().load_checkpoint(filename, strict=strict, **kwargs)  # type: ignore[misc]
+        extra: dict[str, Any] = super().load_checkpoint(filename, strict=strict, **kwargs)
         checkpoint = self._decoded(extra)
         if callback is not None:
             callback(checkpoint)
@@ -304,7 +296,7 @@ class MMEngineStrategyMixin:
         **kwargs: Any,
     ) -> dict[str, Any]:
         """MMEngine's signature: returns the runner's checkpoint dict (``meta``, ...)."""
-        extra: dict[str, Any] = super().resume(  # type: ignore[misc]
+        extra: dict[str, Any] = super().resume(
             filename,
             resume_optimizer=resume_optimizer,
             resume_param_scheduler=resume_param_scheduler,
@@ -349,5 +341,10 @@ class CommDeepSpeedStrategy(MMEngineStrategyMixin, DeepSpeedStrategy):
             self.config.setdefault("train_micro_batch_size_per_gpu", train_micro_batch_size_per_gpu)
 
 
-for _adapter in (CommSingleDeviceStrategy, CommDDPStrategy, CommFSDPStrategy, CommDeepSpeedStrategy):
+for _adapter in (
+    CommSingleDeviceStrategy,
+    CommDDPStrategy,
+    CommFSDPStrategy,
+    CommDeepSpeedStrategy,
+):
     STRATEGIES.register_module(module=_adapter, force=True)
