@@ -191,11 +191,13 @@ CASES = {"DDP (full file)": case_ddp, "FSDP2 (DCP)": case_fsdp2, "DeepSpeed ZeRO
 
 
 # ---------------------------------------------------------------- one rank
-def time_rank(settings: dict[str, int], skipped: dict[str, str]) -> dict[str, Any]:
+def time_rank(settings: dict[str, Any], skipped: dict[str, str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     rank = torch_dist.get_rank()
-    folder = Path(tempfile.mkdtemp(prefix="bench-ckpt-")) if rank == 0 else Path()
+    folder = (
+        Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=settings["dir"])) if rank == 0 else Path()
+    )
     names = [str(folder)]
     torch_dist.broadcast_object_list(names, src=0)
     folder = Path(names[0])
@@ -224,7 +226,7 @@ def time_rank(settings: dict[str, int], skipped: dict[str, str]) -> dict[str, An
     return out
 
 
-def memory_rank(settings: dict[str, int]) -> dict[str, Any]:
+def memory_rank(settings: dict[str, Any]) -> dict[str, Any]:
     """Peak RSS growth of each rank while it saves a full checkpoint of an FSDP model."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -232,7 +234,11 @@ def memory_rank(settings: dict[str, int]) -> dict[str, Any]:
     from comm_wrappers import MMFullyShardedDataParallel, MMFullyShardedDataParallel2
 
     rank = torch_dist.get_rank()
-    folder = Path(tempfile.mkdtemp(prefix="bench-ckpt-mem-")) if rank == 0 else Path()
+    folder = (
+        Path(tempfile.mkdtemp(prefix="bench-ckpt-mem-", dir=settings["dir"]))
+        if rank == 0
+        else Path()
+    )
     names = [str(folder)]
     torch_dist.broadcast_object_list(names, src=0)
     folder = Path(names[0])
@@ -281,7 +287,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Model: MLP {settings['depth']} x Linear({settings['width']}, {settings['width']}), "
         f"{mib:.1f} MiB of fp32 parameters (+ AdamW state: about 3x that on disk); world "
-        f"of 2 gloo ranks; median of {settings['repeats']} interleaved repeats.",
+        f"of 2 gloo ranks; median of {settings['repeats']} interleaved repeats; files in "
+        f"{settings['dir']}.",
         "",
         "| engine | operation | raw (ms) | comm (ms) | comm / raw |",
         "|---|---|---:|---:|---:|",
@@ -312,8 +319,16 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="a small model, 2 repeats (CI)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint"))
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where the checkpoints are written; default /dev/shm (memory: the software's "
+        "cost without the disk's noise) when it exists, else the temporary folder",
+    )
     args = parser.parse_args()
-    settings = {
+    default_dir = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    settings: dict[str, Any] = {
+        "dir": args.dir or default_dir,
         "repeats": args.repeats or (2 if args.smoke else 15),
         "warmup": 1,
         "width": 256 if args.smoke else 2048,

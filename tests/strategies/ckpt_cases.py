@@ -123,14 +123,22 @@ def expected_of(root: str, name: str) -> dict[str, torch.Tensor]:
 
 
 def save_every_kind(root: str, kinds: list[str]) -> None:
-    """Train a model of each kind 2 steps and save it in its natural format."""
-    for kind in kinds:
+    """Train a model of each kind 2 steps and save it in its natural format.
+
+    A kind ending in ``_full`` saves a full checkpoint (``sharded=False``) instead.
+    """
+    for name in kinds:
+        kind = name.removesuffix("_full")
         model, optim = build(kind)
         train_steps(model, optim, range(2))
         save_checkpoint(
-            f"{root}/{kind}", model=model, optim_wrapper=optim, strategy=strategy_of(kind)
+            f"{root}/{name}",
+            model=model,
+            optim_wrapper=optim,
+            strategy=strategy_of(kind),
+            sharded=False if name.endswith("_full") else None,
         )
-        keep_expected(root, kind, full_params(model))
+        keep_expected(root, name, full_params(model))
 
 
 def load_every_kind(

@@ -39,7 +39,8 @@ def main() -> None:
     kill = os.environ.get("COMM_TEST_KILL", "")
     when, _, at = kill.partition(":")
     torch.set_num_threads(1)
-    comm_core.init_dist("pytorch", "gloo")
+    # A file store (fresh for each run): no port to race for on a shared machine.
+    comm_core.init_dist("pytorch", "gloo", init_method=f"file://{os.environ['COMM_TEST_STORE']}")
     rank = comm_core.get_rank()
     model, optim = build(args.kind)
     scheduler = torch.optim.lr_scheduler.StepLR(torch_optimizer(optim), step_size=2, gamma=0.5)

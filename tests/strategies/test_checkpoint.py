@@ -18,6 +18,8 @@ from . import ckpt_cases as cases
 EXACT = 1e-6
 PLAIN = ["bare.pth", "mmengine.pth"]
 NATIVE = ["ds_0", "ds_1", "ds_2", "ds_3"]
+# FSDP models saved as full files (sharded=False): gathered to rank 0 parameter by parameter.
+FULL = ["fsdp_full", "fsdp2_full"]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def saved(comm_pools: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A folder with one checkpoint per kind, two plain files and DeepSpeed's folders."""
     root = str(tmp_path_factory.mktemp("saved"))
     pool = comm_pools.get(2)
-    pool.run(cases.save_every_kind, root, cases.KINDS, timeout=300)
+    pool.run(cases.save_every_kind, root, cases.KINDS + FULL, timeout=300)
     pool.run(cases.write_plain_files, root, "fsdp2", timeout=60)
     pool.run(cases.save_deepspeed_native, root, timeout=300)
     return root
@@ -45,7 +47,7 @@ def _report(title: str, matrix: dict[str, dict[str, float]]) -> None:
 
 
 def test_every_kind_loads_every_kind_world_2(comm_pools: Any, saved: str) -> None:
-    sources = cases.KINDS + PLAIN + NATIVE
+    sources = cases.KINDS + FULL + PLAIN + NATIVE
     results = comm_pools.get(2).run(cases.load_every_kind, saved, sources, cases.KINDS, timeout=600)
     for matrix in results:
         for target, row in matrix.items():
@@ -58,13 +60,37 @@ def test_every_kind_loads_every_kind_world_2(comm_pools: Any, saved: str) -> Non
 
 def test_loads_at_world_size_1(comm_pools: Any, saved: str) -> None:
     """Saved by 2 ranks, loaded by 1: full files, DCP (resharded) and DeepSpeed (consolidated)."""
-    sources = cases.KINDS + PLAIN + NATIVE
+    sources = cases.KINDS + FULL + PLAIN + NATIVE
     targets = ["single", "fsdp2", "zero3"]
     [matrix] = comm_pools.get(1).run(cases.load_every_kind, saved, sources, targets, timeout=600)
     for target, row in matrix.items():
         for source, diff in row.items():
             assert diff <= EXACT, (source, target, diff)
     _report("World 1: saved by 2 ranks, loaded by 1", matrix)
+
+
+def test_loads_at_world_size_3(comm_pools: Any, saved: str) -> None:
+    """Saved by 2 ranks, loaded by 3: DCP reshards unevenly (a rank holds empty shards)."""
+    sources = cases.KINDS + FULL
+    targets = ["fsdp2", "zero3"]
+    [matrix, *_] = comm_pools.get(3).run(
+        cases.load_every_kind, saved, sources, targets, timeout=600
+    )
+    for target, row in matrix.items():
+        for source, diff in row.items():
+            assert diff <= EXACT, (source, target, diff)
+    _report("World 3: saved by 2 ranks, loaded by 3", matrix)
+
+
+def test_full_save_of_fsdp_at_world_size_3(comm_pools: Any, tmp_path: Path) -> None:
+    """Uneven and empty shards gathered to rank 0 (head.bias: 2 rows over 3 ranks)."""
+    root = str(tmp_path)
+    pool = comm_pools.get(3)
+    pool.run(cases.save_every_kind, root, FULL, timeout=300)
+    [matrix, *_] = pool.run(cases.load_every_kind, root, FULL, ["single", "fsdp2"], timeout=300)
+    for target, row in matrix.items():
+        for source, diff in row.items():
+            assert diff <= EXACT, (source, target, diff)
 
 
 def test_optimizer_state_crosses_between_torch_wrappers(comm_pools: Any, tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ parameters of a run that was never interrupted.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,15 +20,9 @@ SCRIPT = Path(__file__).with_name("ckpt_train.py")
 RUN_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run(kind: str, work_dir: Path, out: Path, kill: str = "") -> list[int]:
     """Start the 2 ranks, wait (bounded), return their exit codes."""
-    port = _free_port()
+    store = tempfile.mktemp(prefix="comm-kill-store-", dir=work_dir.parent)
     processes = []
     for rank in range(2):
         env = dict(os.environ)
@@ -38,7 +32,7 @@ def _run(kind: str, work_dir: Path, out: Path, kill: str = "") -> list[int]:
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE="2",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            COMM_TEST_STORE=store,
             GLOO_SOCKET_IFNAME="lo",
             COMM_TEST_KILL=kill,
         )

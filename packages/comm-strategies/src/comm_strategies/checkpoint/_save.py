@@ -264,8 +264,14 @@ def _save_full(
         params = param_shapes(engine)
         inner, inner_kind = engine.module, "module"
     else:
-        state = get_model_state(model, kind, full=True, rank0_only=True)
-        params = describe_params(state)
+        state = None
+        if kind in ("fsdp1", "fsdp2"):
+            from ._gather import full_state_to_rank0
+
+            state = full_state_to_rank0(model, kind)
+        if state is None:
+            state = get_model_state(model, kind, full=True, rank0_only=True)
+        params = describe_params(state) if me == 0 else {}
         inner, inner_kind = model, kind
     if me == 0:
         writer.attempt(save_tensor_file, state, folder / MODEL_FILE, what=MODEL_FILE)
