@@ -95,9 +95,19 @@ class Exchange:
         return [bytes(self.store.get(key)).decode() for key in keys]
 
     def check_all_ok(self, name: str, error: BaseException | None, timeout: float) -> None:
-        """Share each rank's outcome; raise on every rank if any rank failed."""
+        """Share each rank's outcome; raise on every rank if any rank failed.
+
+        Once every rank has entered (the store handshake), the outcomes travel by the
+        process group's object all-gather: every rank is known to be in the call, and a
+        collective answers faster than a store polled for keys.
+        """
         outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
-        outcomes = self.all_gather(name, outcome, timeout)
+        if self.store is None:
+            outcomes = [outcome]
+        else:
+            gathered: list[Any] = [None] * world_size()
+            torch_dist.all_gather_object(gathered, outcome)
+            outcomes = [str(item) for item in gathered]
         failed = [(r, text) for r, text in enumerate(outcomes) if text != "ok"]
         if not failed:
             return
