@@ -260,8 +260,7 @@ def resume_equals_uninterrupted(root: str, kind: str, amp: bool = False) -> dict
         model=resumed,
         optim_wrapper=resumed_optim,
         schedulers=[resumed_scheduler],
-        allow_unsafe_pickle=kind.startswith("zero"),
-    )
+    )  # DeepSpeed's own files too: read with weights_only, DeepSpeed's records allowed
     resumed_draws = (torch.rand(3), random.random())
     resumed_lrs = []
     for step in range(extra["step"], 6):

@@ -7,7 +7,9 @@ Imported only when a DeepSpeed engine or DeepSpeed's files are at hand: DeepSpee
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
+import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,56 @@ import torch
 
 from . import _dist
 from ._errors import CheckpointError
-from ._files import UNSAFE_HINT
+from ._files import UNSAFE_HINT, _weights_only_detail
+from ._rng import numpy_safe_globals
+
+# The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins:
+# plain records, rebuilt from their fields (no code of their own runs).
+_DEEPSPEED_RECORDS = (
+    ("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+    ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+    ("deepspeed.utils.tensor_fragment", ("fragment_address",)),
+)
+
+
+def deepspeed_safe_globals() -> list[Any]:
+    """DeepSpeed's record classes (and NumPy's values) for ``weights_only`` loading."""
+    allowed: list[Any] = numpy_safe_globals()
+    for module_name, names in _DEEPSPEED_RECORDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        allowed += [getattr(module, name) for name in names if hasattr(module, name)]
+    return allowed
+
+
+def safe_load(path: Any, map_location: Any = None) -> Any:
+    """``torch.load(weights_only=True)`` of a DeepSpeed file, DeepSpeed's records allowed."""
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        message = (
+            f"{path} holds objects beyond DeepSpeed's plain checkpoint records "
+            f"({_weights_only_detail(str(error))}). {UNSAFE_HINT}."
+        )
+        raise CheckpointError(message) from error
+
+
+@contextlib.contextmanager
+def _engine_loads_safely(engine: Any, allow_unsafe_pickle: bool) -> Iterator[None]:
+    """Make the engine read its files with `safe_load` (unless the caller opted out)."""
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if allow_unsafe_pickle or checkpoint_engine is None:
+        yield
+        return
+    checkpoint_engine.load = safe_load
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load
+
 
 DS_FOLDER = "deepspeed"
 DS_TAG = "state"
@@ -100,16 +151,22 @@ def load_native(
     *,
     strict: bool,
     load_optimizer: bool,
+    allow_unsafe_pickle: bool = False,
 ) -> None:
-    """``engine.load_checkpoint`` of a DeepSpeed folder (collective)."""
-    loaded, _ = engine.load_checkpoint(
-        str(folder),
-        tag=tag,
-        load_module_strict=strict,
-        load_optimizer_states=load_optimizer,
-        load_lr_scheduler_states=False,
-        load_module_only=not load_optimizer,
-    )
+    """``engine.load_checkpoint`` of a DeepSpeed folder (collective).
+
+    Its files are read with ``weights_only=True`` and DeepSpeed's few record classes
+    allowed, unless ``allow_unsafe_pickle``.
+    """
+    with _engine_loads_safely(engine, allow_unsafe_pickle):
+        loaded, _ = engine.load_checkpoint(
+            str(folder),
+            tag=tag,
+            load_module_strict=strict,
+            load_optimizer_states=load_optimizer,
+            load_lr_scheduler_states=False,
+            load_module_only=not load_optimizer,
+        )
     if loaded is None:
         message = f"DeepSpeed could not load {folder} (tag {tag!r}) on {_dist.where()}"
         raise CheckpointError(message)
@@ -212,7 +269,8 @@ def native_layout(folder: Path) -> tuple[int | None, int | None]:
     files = sorted(folder.glob("*model_states.pt"))
     if not files:
         return None, None
-    states = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        states = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
     config = states.get("ds_config", {}) if isinstance(states, dict) else {}
     stage = config.get("zero_optimization", {}).get("stage", 0)
     world = states.get("dp_world_size") if isinstance(states, dict) else None

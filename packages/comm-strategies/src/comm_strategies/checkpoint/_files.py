@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ._errors import CheckpointError
+from ._rng import numpy_safe_globals
 
 
 def fsync_enabled() -> bool:
@@ -69,12 +70,13 @@ def load_tensor_file(
         raise CheckpointError(message)
     is_zip = zipfile.is_zipfile(path)
     try:
-        return torch.load(
-            path,
-            map_location="cpu",
-            weights_only=not allow_unsafe_pickle,
-            mmap=mmap and is_zip,
-        )
+        with torch.serialization.safe_globals(numpy_safe_globals()):
+            return torch.load(
+                path,
+                map_location="cpu",
+                weights_only=not allow_unsafe_pickle,
+                mmap=mmap and is_zip,
+            )
     except pickle.UnpicklingError as error:
         text = str(error)
         detail = _weights_only_detail(text)

@@ -168,12 +168,18 @@ def _load_deepspeed_folder(
         zero_stage,
     )
 
-    require_unsafe(source, unsafe)
     save_dir, tag = split_folder(source)
     stage, world = native_layout(save_dir / tag)
     engine = deepspeed_engine(model)
     if engine is not None and stage == zero_stage(engine) and world == _dist.world_size():
-        load_native(engine, save_dir, tag, strict=strict, load_optimizer=load_optimizer)
+        load_native(
+            engine,
+            save_dir,
+            tag,
+            strict=strict,
+            load_optimizer=load_optimizer,
+            allow_unsafe_pickle=unsafe,
+        )
         return
     if load_optimizer and optim_wrapper is not None:
         message = (
@@ -185,6 +191,7 @@ def _load_deepspeed_folder(
             "weights only."
         )
         raise CheckpointError(message)
+    require_unsafe(source, unsafe)
     state = consolidate(source, allow_unsafe_pickle=unsafe)
     load_full_model_state_dict(model, state, strict, source=str(source))
 
@@ -272,14 +279,20 @@ def _load_from_deepspeed(
     from ._deepspeed import DS_FOLDER, DS_TAG, consolidate, load_native, require_unsafe, zero_stage
 
     folder = source / DS_FOLDER
-    require_unsafe(folder, unsafe)
     same_engine = (
         engine is not None
         and manifest.world_size == _dist.world_size()
         and manifest.zero_stage == zero_stage(engine)
     )
     if same_engine:
-        load_native(engine, folder, DS_TAG, strict=strict, load_optimizer=bool(optimizers))
+        load_native(
+            engine,
+            folder,
+            DS_TAG,
+            strict=strict,
+            load_optimizer=bool(optimizers),
+            allow_unsafe_pickle=unsafe,
+        )
         return
     if optimizers:
         why = (
@@ -288,6 +301,7 @@ def _load_from_deepspeed(
             f"now {_dist.world_size()})"
         )
         _cannot_move_optimizer(manifest, source, kind, why)
+    require_unsafe(folder, unsafe)
     state = consolidate(folder / DS_TAG, allow_unsafe_pickle=unsafe)
     load_full_model_state_dict(model, state, strict, source=str(folder))
 

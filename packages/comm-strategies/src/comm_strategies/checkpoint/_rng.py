@@ -56,3 +56,30 @@ def restore(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         states = state["cuda"][: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all(states)
+
+
+def numpy_safe_globals() -> list[Any]:
+    """NumPy's scalar, array and dtype constructors, for ``weights_only`` loading.
+
+    User state often holds NumPy numbers (MMEngine's runtime info, logged metrics). These
+    constructors rebuild values from bytes and a dtype, and run no other code, which is why
+    torch's documentation suggests allowing them.
+    """
+    numpy = _numpy()
+    if numpy is None:
+        return []
+    core = getattr(numpy, "_core", None) or numpy.core
+    allowed: list[Any] = [
+        core.multiarray.scalar,
+        core.multiarray._reconstruct,
+        numpy.ndarray,
+        numpy.dtype,
+    ]
+    dtypes = getattr(numpy, "dtypes", None)
+    if dtypes is not None:
+        allowed += [
+            value
+            for value in vars(dtypes).values()
+            if isinstance(value, type) and issubclass(value, numpy.dtype)
+        ]
+    return allowed
