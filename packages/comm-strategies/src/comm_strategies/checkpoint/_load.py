@@ -242,7 +242,7 @@ def _load_model_and_optimizer(
         return
     # Full files (or DCP into DeepSpeed): full tensors on every rank.
     if manifest.format == "dcp":
-        state = read_dcp_full(source, manifest)
+        state = read_dcp_full(source)
         model_state, optim_states = state["model"], state.get("optim", {})
     else:
         model_state = load_tensor_file(
@@ -337,7 +337,7 @@ def _load_dcp(
         set_optim_state(model, kind, optimizer, state["optim"][key], full=False)
 
 
-def read_dcp_full(source: Path, manifest: Manifest | None = None) -> dict[str, Any]:
+def read_dcp_full(source: Path) -> dict[str, Any]:
     """Every tensor of a checkpoint's DCP folder, full, in this process (no group needed)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -439,13 +439,3 @@ def find_latest(work_dir: str | os.PathLike[str]) -> Path | None:
         if best is None or key > best:
             best, found = key, candidate
     return found
-
-
-def describe_model(model: nn.Module) -> dict[str, list[Any]]:
-    """``{name: [shape, dtype]}`` of a prepared model, without gathering (for checks)."""
-    kind = model_kind(model)
-    if kind == "deepspeed":
-        from ._deepspeed import param_shapes
-
-        return param_shapes(deepspeed_engine(model))
-    return _expected_params(model, kind)
