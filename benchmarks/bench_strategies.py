@@ -127,9 +127,7 @@ def raw(kind: str) -> Step:
     elif kind == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        model = FullyShardedDataParallel(
-            net, device_id=torch.device("cpu"), use_orig_params=True
-        )
+        model = FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=True)
     else:
         from torch.distributed.fsdp import fully_shard
 
