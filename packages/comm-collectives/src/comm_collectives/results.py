@@ -292,6 +292,7 @@ def _collect_through_folder(
     for part_path in paths:
         if error is None:  # after a failure the other parts are still removed
             try:
+                _check_owner(part_path)
                 parts.append(decode(np.fromfile(part_path, dtype=np.uint8)))
             except Exception as exc:
                 error = exc
@@ -319,6 +320,18 @@ def _not_shared(tmpdir: str, ranks: list[int], created_by_rank_0: bool | None) -
         "no shared filesystem."
     )
     return FolderNotSharedError(message)
+
+
+def _check_owner(path: str) -> None:
+    """Refuse to unpickle a part file that another user owns (it could run any code)."""
+    owner = os.stat(path).st_uid
+    if hasattr(os, "getuid") and owner != os.getuid():
+        message = (
+            f"collect_results: part file {path!r} belongs to user id {owner}, not to this "
+            f"user ({os.getuid()}); it is not unpickled. Give tmpdir a folder only you can "
+            "write to."
+        )
+        raise PermissionError(message)
 
 
 def _write_private(path: str, results: list[Any]) -> None:
