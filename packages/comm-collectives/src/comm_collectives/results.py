@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import uuid
 from typing import Any
 
@@ -286,7 +287,7 @@ def _collect_through_folder(
         return None
     parts: list[list[Any]] = [results]
     paths = [os.path.join(tmpdir, name) for name in names[1:]]
-    unseen = [rank for rank, p in enumerate(paths, start=1) if not os.path.exists(p)]
+    unseen = _unseen(tmpdir, paths)
     if unseen:
         error = _not_shared(tmpdir, unseen, created_by_rank_0=created)
     for part_path in paths:
@@ -301,6 +302,27 @@ def _collect_through_folder(
         _remove_if_empty(tmpdir)
     _verdict(error is not None, error, cpu_group, device)
     return _interleave(parts, size)
+
+
+_VISIBLE_WITHIN_S = 2.0
+
+
+def _unseen(tmpdir: str, paths: list[str]) -> list[int]:
+    """The ranks (from 1) whose part file rank 0 does not see, after a short grace.
+
+    A network filesystem may answer from a cached listing for a moment after another node
+    created a file; listing the folder makes it look again.
+    """
+    deadline = time.monotonic() + _VISIBLE_WITHIN_S
+    while True:
+        unseen = [rank for rank, p in enumerate(paths, start=1) if not os.path.exists(p)]
+        if not unseen or time.monotonic() > deadline:
+            return unseen
+        try:
+            os.listdir(tmpdir)
+        except OSError:
+            return unseen
+        time.sleep(0.1)
 
 
 class FolderNotSharedError(RuntimeError):
