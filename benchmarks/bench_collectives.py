@@ -232,14 +232,19 @@ def bind_to_cores(bind: bool) -> list[int]:
     return mine
 
 
-def run_rank(smoke: bool, repeats: int, warmup: int, workdir: str, bind: bool) -> dict[str, Any]:
-    """Measure every case on this rank; return per-case medians (slowest rank's time)."""
+def run_rank(
+    smoke: bool, repeats: int, warmup: int, workdir: str, bind: bool, only: str = ""
+) -> dict[str, Any]:
+    """Measure every case (those whose name contains ``only``) on this rank; return per-case
+    medians (slowest rank's time)."""
     # mmengine's cpu mode needs a folder shared by the ranks: it writes .dist_test in the cwd
     os.chdir(workdir)
     cores = bind_to_cores(bind)
     sizes = _sizes(smoke)
     table: list[dict[str, Any]] = []
     for name, nbytes, batch, impls in _cases(sizes):
+        if only not in name:
+            continue
         samples: dict[str, list[float]] = {impl: [] for impl in impls}
         names = list(impls)
         for step in range(warmup + repeats):
@@ -362,6 +367,11 @@ def main() -> int:
     parser.add_argument(
         "--no-bind", action="store_true", help="let the ranks' threads run on any core"
     )
+    parser.add_argument(
+        "--case",
+        default="",
+        help="run only the cases whose name contains this text; print their times, write nothing",
+    )
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.smoke else 25)
     warmup = 1 if args.smoke else 2
@@ -381,8 +391,26 @@ def main() -> int:
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(prefix="comm-bench-", dir=shm) as workdir:
         result = launch(
-            rank_fn, args.smoke, repeats, warmup, workdir, bind, nprocs=2, timeout=1800, env=env
+            rank_fn,
+            args.smoke,
+            repeats,
+            warmup,
+            workdir,
+            bind,
+            args.case,
+            nprocs=2,
+            timeout=1800,
+            env=env,
         )[0]
+        if args.case:
+            for row in result["cases"]:
+                times = row["seconds"]
+                ratios = ", ".join(
+                    f"{impl} {t * 1e6:.1f} us ({t / times['comm']:.2f}x comm)"
+                    for impl, t in times.items()
+                )
+                print(f"{row['case']}: {ratios}")
+            return 0
         result["memory"] = {
             label: launch(
                 memory_rank, label, args.smoke, workdir, bind, nprocs=2, timeout=600, env=env

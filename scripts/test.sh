@@ -31,6 +31,8 @@ log "tests: comm-core (environment without the upper layers)"
 hatch run core:test
 log "tests: comm-collectives (environment without the upper layers)"
 hatch run collectives:test
+log "tests: fault injection into every collective (one rank fails, every rank raises)"
+hatch run collectives:faults
 log "tests: comm-wrappers (environment without comm-strategies)"
 hatch run wrappers:test
 log "tests: comm-wrappers DeepSpeed (environment with the deepspeed extra)"

@@ -55,6 +55,9 @@ def _group_queries() -> tuple[int, int, int]:
     result = (-1, -1, -1)
     if rank in (0, 1):
         result = (dist.get_rank(pair), dist.get_world_size(pair), int(dist.is_main_process(pair)))
+        # Both members finish gloo's connection set-up before either closes it: a member that
+        # destroys the group at once can close a pair its peer is still connecting.
+        torch_dist.barrier(group=pair)
     torch_dist.destroy_process_group(pair)
     return result
 

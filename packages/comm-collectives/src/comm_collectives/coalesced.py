@@ -18,25 +18,20 @@ import torch.distributed as torch_dist
 
 from comm_core import CollectiveMismatchError, get_world_size
 
-from .protocol import DTYPES, Header, Inline, handshake, inline_payloads, signature_of
-from .tensors import reduce_inplace, reduce_op_name, reduce_rows
+from .protocol import (
+    Header,
+    Inline,
+    agree,
+    dtype_code,
+    handshake,
+    inline_payloads,
+    local_fault,
+    signature_of,
+    transport,
+)
+from .tensors import check_op_dtype, prepare_reduction, reduce_op_name, reduce_rows
 
 __all__ = ["all_reduce_dict", "all_reduce_params"]
-
-
-def _reduce_flat(
-    tensors: list[torch.Tensor], op: str, group: torch_dist.ProcessGroup | None, operation: str
-) -> list[torch.Tensor]:
-    """Reduce tensors of one dtype through one flat buffer; return the reduced tensors."""
-    if len(tensors) == 1:
-        flat = tensors[0].detach().reshape(-1).clone()
-    else:
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    reduce_inplace(flat, op, group, operation)
-    return [
-        part.view(t.shape)
-        for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)
-    ]
 
 
 def all_reduce_dict(
@@ -45,8 +40,9 @@ def all_reduce_dict(
     """Reduce every tensor of a dict across ranks, in place (the values are replaced).
 
     All tensors of one dtype travel in one collective; integer means are exact. Every rank
-    must hold the same keys with the same shapes and dtypes: if not, every rank raises a
-    [`CollectiveMismatchError`][comm_core.CollectiveMismatchError] listing each rank's keys.
+    must hold the same keys with the same shapes, dtypes and device types: if not, every
+    rank raises a [`CollectiveMismatchError`][comm_core.CollectiveMismatchError] listing
+    each rank's keys. Either every value is replaced or none is.
 
     Args:
         data: Tensors by key.
@@ -59,33 +55,33 @@ def all_reduce_dict(
         >>> d
         {'loss': tensor(2.)}
     """
-    name = reduce_op_name(op)
-    if not isinstance(data, Mapping):
-        message = f"all_reduce_dict: data must be a dict of tensors, got {type(data).__name__}."
-        raise TypeError(message)
     if get_world_size(group) == 1:
+        reduce_op_name(op)
+        _check_dict(data)
         return
-    keys = sorted(data, key=str)
-    values = [data[k] for k in keys]
-    error: BaseException | None = None
-    for key, value in zip(keys, values):
-        if not isinstance(value, torch.Tensor):
-            error = TypeError(
-                f"all_reduce_dict: data[{key!r}] is a {type(value).__name__}, not a tensor; "
-                "wrap numbers with torch.tensor(value)."
-            )
-            break
+    name, error = "", None
+    keys: list[Any] = []
+    values: list[torch.Tensor] = []
+    try:
+        name = reduce_op_name(op)
+        keys, values = _check_dict(data)
+        for value in values:
+            check_op_dtype(value.dtype, name, "all_reduce_dict")
+        local_fault("local", "all_reduce_dict")
+    except Exception as exc:
+        error = exc
     segments = _segments(keys, values) if error is None else []
     peers = handshake(
         Header(
             "all_reduce_dict",
             error=error,
-            reduce_op=name,
+            reduce_op=name or None,
             signature=_layout_signature(keys, values) if error is None else 0,
         ),
         group,
         same=("reduce_op",),
         payload=_dict_payload(segments) if error is None else None,
+        varying=False,
     )
     if len({p.signature for p in peers}) > 1:
         _raise_key_mismatch(keys, values, group)
@@ -93,12 +89,57 @@ def all_reduce_dict(
     if payloads is not None:
         results = _reduce_inline(segments, payloads, name)
     else:
+        reductions = _prepare_all([seg.values for seg in segments], name, group, "all_reduce_dict")
         results = [
-            (seg, _reduce_flat(seg.values, name, group, "all_reduce_dict")) for seg in segments
+            (seg, _unflat(seg.values, reduction.run()))
+            for seg, reduction in zip(segments, reductions)
         ]
     # every segment is reduced before any value is replaced: an error loses nothing
     for seg, reduced in results:
         data.update(zip(seg.keys, reduced))
+
+
+def _check_dict(data: object) -> tuple[list[Any], list[torch.Tensor]]:
+    if not isinstance(data, Mapping):
+        message = f"all_reduce_dict: data must be a dict of tensors, got {type(data).__name__}."
+        raise TypeError(message)
+    keys = sorted(data, key=str)
+    values = [data[k] for k in keys]
+    for key, value in zip(keys, values):
+        if not isinstance(value, torch.Tensor):
+            message = (
+                f"all_reduce_dict: data[{key!r}] is a {type(value).__name__}, not a tensor; "
+                "wrap numbers with torch.tensor(value)."
+            )
+            raise TypeError(message)
+    return keys, values
+
+
+def _prepare_all(
+    groups: list[list[torch.Tensor]],
+    op: str,
+    group: torch_dist.ProcessGroup | None,
+    operation: str,
+) -> list[Any]:
+    """Prepare the long path of every flat buffer, then vote: a local failure (a device
+    move, an allocation) raises on every rank before any data moves."""
+    reductions = []
+    error: BaseException | None = None
+    try:
+        reductions = [prepare_reduction(parts, op, group, operation) for parts in groups]
+    except Exception as exc:
+        error = exc
+    agree(operation, error, group)
+    return reductions
+
+
+def _unflat(values: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Cut a reduced flat buffer into tensors shaped, typed and placed like ``values``."""
+    sizes = [v.numel() for v in values]
+    return [
+        part.view(v.shape).to(device=v.device, dtype=v.dtype, copy=part.device == v.device)
+        for part, v in zip(torch.split(flat, sizes), values)
+    ]
 
 
 @dataclass
@@ -130,19 +171,19 @@ def _segments(keys: list[Any], values: list[torch.Tensor]) -> list[_Segment]:
     return list(by_dtype.values())
 
 
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
-
-
 def _layout_signature(keys: list[Any], values: list[torch.Tensor]) -> int:
-    """Digest of the keys, shapes and dtypes, equal on ranks that hold the same layout."""
+    """Digest of the keys, shapes, dtypes and device types, equal on ranks that hold the
+    same layout."""
     words: list[int] = []
     for value in values:
-        words.append(_DTYPE_CODES.get(value.dtype, -1))
-        words.append(value.dim())
-        words.extend(value.shape)
+        words += (dtype_code(value.dtype), _DEVICE_TYPES.get(value.device.type, 99), value.dim())
+        words += value.shape
     digest = hashlib.blake2b(repr(keys).encode(), digest_size=8)
     digest.update(array("q", words).tobytes())
     return int.from_bytes(digest.digest(), "little") >> 1
+
+
+_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 2, "mps": 3, "npu": 4, "hpu": 5, "meta": 6}
 
 
 def _flat(seg: _Segment) -> torch.Tensor:
@@ -166,7 +207,9 @@ def _dict_payload(segments: list[_Segment]) -> Inline:
             for seg in segments:
                 out[seg.offset : seg.offset + seg.nbytes].view(seg.dtype).copy_(_flat(seg))
 
-    return Inline(total, write)
+    # data on an accelerator never rides in headers that travel on the CPU
+    devices = [v.device for seg in segments for v in seg.values if v.device.type != "cpu"]
+    return Inline(total, write, devices[0] if devices else torch.device("cpu"))
 
 
 def _reduce_inline(
@@ -187,9 +230,10 @@ def _reduce_inline(
 def _raise_key_mismatch(
     keys: list[Any], values: list[torch.Tensor], group: torch_dist.ProcessGroup | None
 ) -> None:
-    layout = [(k, tuple(v.shape), str(v.dtype)) for k, v in zip(keys, values)]
+    layout = [(k, tuple(v.shape), f"{v.dtype} {v.device.type}") for k, v in zip(keys, values)]
     gathered: list[Any] = [None] * get_world_size(group)
-    torch_dist.all_gather_object(gathered, layout, group=group)
+    with transport("all_reduce_dict", group):
+        torch_dist.all_gather_object(gathered, layout, group=group)
     key_sets = [{k for k, _, _ in g} for g in gathered]
     common = set.intersection(*key_sets)
     rows = []
@@ -238,26 +282,50 @@ def all_reduce_params(
         op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``.
         group: Process group; the default group when None.
     """
-    name = reduce_op_name(op)
-    tensors = [p.data if isinstance(p, torch.nn.Parameter) else p for p in params]
-    if get_world_size(group) == 1 or not tensors:
+    if get_world_size(group) == 1:
+        reduce_op_name(op)
         return
-    layout = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+    name, tensors, error = "", [], None
+    try:
+        name = reduce_op_name(op)
+        tensors = [p.data if isinstance(p, torch.nn.Parameter) else p for p in params]
+        for index, tensor in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor):
+                message = (
+                    f"all_reduce_params: item {index} of params is a {type(tensor).__name__}, "
+                    "not a tensor."
+                )
+                raise TypeError(message)
+            check_op_dtype(tensor.dtype, name, "all_reduce_params")
+        local_fault("local", "all_reduce_params")
+    except Exception as exc:
+        error = exc
+    # an empty list still takes part: a rank whose list is empty (an unused branch) makes
+    # every rank raise a mismatch instead of leaving the others in the handshake
+    layout = [(tuple(t.shape), dtype_code(t.dtype), t.device.type) for t in tensors]
     handshake(
         Header(
-            "all_reduce_params", reduce_op=name, signature=signature_of(layout), count=len(tensors)
+            "all_reduce_params",
+            error=error,
+            reduce_op=name or None,
+            signature=signature_of(layout) if error is None else 0,
+            count=len(tensors),
         ),
         group,
         same=("reduce_op", "signature"),
-        hint="every rank must pass the same parameters (shapes and dtypes, in order).",
+        hint="every rank must pass the same parameters (shapes, dtypes and devices, in order).",
+        varying=False,
     )
-    if not coalesce:
-        for tensor in tensors:
-            reduce_inplace(tensor, name, group, "all_reduce_params")
+    if not tensors:
         return
-    for bucket in _buckets(tensors, bucket_size_mb):
-        for tensor, reduced in zip(bucket, _reduce_flat(bucket, name, group, "all_reduce_params")):
-            tensor.copy_(reduced)
+    groups = _buckets(tensors, bucket_size_mb) if coalesce else [[t] for t in tensors]
+    reductions = _prepare_all(groups, name, group, "all_reduce_params")
+    reduced = [_unflat(bucket, r.run()) for bucket, r in zip(groups, reductions)]
+    # every bucket is reduced before any tensor is written: all or nothing
+    with torch.no_grad():
+        for bucket, values in zip(groups, reduced):
+            for tensor, value in zip(bucket, values):
+                tensor.copy_(value)
 
 
 def _buckets(tensors: list[torch.Tensor], bucket_size_mb: float) -> list[list[torch.Tensor]]:

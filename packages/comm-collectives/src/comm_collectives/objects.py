@@ -25,10 +25,13 @@ from .protocol import (
     Header,
     Inline,
     Peer,
+    agree,
     all_gather_flat,
     handshake,
     inline_capacity,
     inline_payloads,
+    local_fault,
+    transport,
 )
 from .serialization import Encoded, decode, encode, frame_offsets, head_lengths
 from .tensors import _check_root, global_rank
@@ -36,8 +39,15 @@ from .tensors import _check_root, global_rank
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object"]
 
 
-def _encode(obj: Any) -> tuple[Encoded | None, BaseException | None]:
+def _encode(
+    obj: Any, operation: str, check: Any = None
+) -> tuple[Encoded | None, BaseException | None]:
+    """Check the arguments (``check``), run the test hook and pickle ``obj``; a failure is
+    returned, for the handshake to report on every rank."""
     try:
+        if check is not None:
+            check()
+        local_fault("local", operation)
         return encode(obj), None
     except Exception as exc:
         return None, exc
@@ -120,7 +130,7 @@ def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -
     """
     if get_world_size(group) == 1:
         return [data]
-    encoded, error = _encode(data)
+    encoded, error = _encode(data, "all_gather_object")
     peers = _exchange("all_gather_object", encoded, error, group)
     payloads = inline_payloads(peers)
     if payloads is not None:
@@ -128,8 +138,15 @@ def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -
     counts = [p.count for p in peers]
     width = max(counts)
     device = get_comm_device(group)
-    out = empty_bytes(len(counts) * width, device)
-    all_gather_flat(out, _send_tensor(encoded, width, device), group=group)
+    try:
+        local_fault("staging", "all_gather_object")
+        send = _send_tensor(encoded, width, device)
+        out = empty_bytes(len(counts) * width, device)
+    except Exception as exc:
+        error = exc
+    agree("all_gather_object", error, group)
+    with transport("all_gather_object", group):
+        all_gather_flat(out, send, group=group)
     return _decode_rows(out, counts, width)
 
 
@@ -149,10 +166,12 @@ def gather_object(
     Raises:
         RemoteRankError: Some rank could not pickle its object (raised on every rank).
     """
-    _check_root("gather_object", dst, group, "dst")
     if get_world_size(group) == 1:
+        _check_root("gather_object", dst, group, "dst")
         return [data]
-    encoded, error = _encode(data)
+    encoded, error = _encode(
+        data, "gather_object", lambda: _check_root("gather_object", dst, group, "dst")
+    )
     peers = _exchange("gather_object", encoded, error, group, root=dst)
     me = get_rank(group)
     payloads = inline_payloads(peers)
@@ -161,14 +180,21 @@ def gather_object(
     counts = [p.count for p in peers]
     width = max(counts)
     device = get_comm_device(group)
-    send = _send_tensor(encoded, width, device)
-    if me != dst:
-        torch_dist.gather(send, None, dst=global_rank(group, dst), group=group)
-        return None
-    out = empty_bytes(len(counts) * width, device)
-    torch_dist.gather(
-        send, list(out.view(len(counts), width).unbind(0)), dst=global_rank(group, dst), group=group
-    )
+    out = None
+    try:
+        local_fault("staging", "gather_object")
+        send = _send_tensor(encoded, width, device)
+        if me == dst:
+            out = empty_bytes(len(counts) * width, device)
+    except Exception as exc:
+        error = exc
+    agree("gather_object", error, group)
+    root = global_rank(group, dst)
+    with transport("gather_object", group):
+        if out is None:
+            torch_dist.gather(send, None, dst=root, group=group)
+            return None
+        torch_dist.gather(send, list(out.view(len(counts), width).unbind(0)), dst=root, group=group)
     return _decode_rows(out, counts, width)
 
 
@@ -186,14 +212,26 @@ def broadcast_object_list(
         TypeError: ``data`` is not a list.
         RemoteRankError: ``src`` could not pickle the list (raised on every rank).
     """
-    _check_root("broadcast_object_list", src, group, "src")
-    if not isinstance(data, list):
-        message = f"broadcast_object_list: data must be a list, got {type(data).__name__}."
-        raise TypeError(message)
+
+    def check() -> None:
+        _check_root("broadcast_object_list", src, group, "src")
+        if not isinstance(data, list):
+            message = f"broadcast_object_list: data must be a list, got {type(data).__name__}."
+            raise TypeError(message)
+
     if get_world_size(group) == 1:
+        check()
         return
     me = get_rank(group)
-    encoded, error = _encode(data) if me == src else (None, None)
+    if me == src:
+        encoded, error = _encode(data, "broadcast_object_list", check)
+    else:
+        encoded, error = None, None
+        try:
+            check()
+            local_fault("local", "broadcast_object_list")
+        except Exception as exc:
+            error = exc
     payload = None  # the whole frame, when it fits
     if encoded is not None and _has_direct_piece(encoded):
         # only the head, so the receivers know the plan before the first message
@@ -209,17 +247,27 @@ def broadcast_object_list(
     plan = _broadcast_plan(head_lengths(head), head.size, nbytes)
     device = get_comm_device(group)
     root = global_rank(group, src)
+    messages: list[torch.Tensor] = []
+    try:
+        local_fault("staging", "broadcast_object_list")
+        if me == src:
+            assert encoded is not None  # it pickled, or the handshake raised
+            messages = [
+                _plan_message(encoded, first, end, piece).to(device) for first, end, piece in plan
+            ]
+        else:
+            buffer = empty_bytes(nbytes, device)
+            if inline is not None:
+                buffer[: inline.numel()].copy_(inline)
+            messages = [buffer[first:end] for first, end, _ in plan]
+    except Exception as exc:
+        error = exc
+    agree("broadcast_object_list", error, group)
+    with transport("broadcast_object_list", group):
+        for message in messages:
+            torch_dist.broadcast(message, root, group=group)
     if me == src:
-        assert encoded is not None  # it pickled, or the handshake raised
-        for first, end, piece in plan:
-            message = _plan_message(encoded, first, end, piece)
-            torch_dist.broadcast(message.to(device), root, group=group)
         return
-    buffer = empty_bytes(nbytes, device)
-    if inline is not None:
-        buffer[: inline.numel()].copy_(inline)
-    for first, end, _ in plan:
-        torch_dist.broadcast(buffer[first:end], root, group=group)
     frame: np.ndarray[Any, np.dtype[np.uint8]] = buffer.cpu().numpy()
     data[:] = decode(frame)
 

@@ -21,7 +21,19 @@ every rank without any extra message. The growth stays close to the data because
 size matters: on loopback gloo a 128 KiB all-gather costs 40% more than a 70 KiB one.
 
 Debug mode (``COMM_DEBUG=1`` or [`debug_mode`][comm_collectives.debug_mode]) adds an
-exchange of call sites so the table also shows where each rank made the call.
+exchange of call sites so the table also shows where each rank made the call. Each rank's
+header says whether it asked for debug mode, so the call sites are exchanged when any rank
+asked: ranks whose environments differ still make the same calls.
+
+The first header word carries a magic number and the wire-protocol version: ranks running
+incompatible versions of comm-collectives get a clear error instead of a misread frame.
+
+Work that can only fail after the handshake (allocating receive buffers for sizes the
+headers gave, staging data on the communication device) is followed by a second, one-word
+vote ([`agree`][comm_collectives.protocol.agree]) before any data moves, so such a failure
+also raises on every rank. A peer lost in the middle of a call (a killed process) turns
+the backend's transport error into a [`RemoteRankError`][comm_core.RemoteRankError] that
+names the lost rank ([`transport`][comm_collectives.protocol.transport]).
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import dataclasses
 import hashlib
 import os
 import sys
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +55,8 @@ import torch.distributed as torch_dist
 
 from comm_core import (
     CollectiveMismatchError,
+    CommError,
+    CommTimeoutError,
     RankFailure,
     RemoteRankError,
     get_comm_device,
@@ -50,18 +65,26 @@ from comm_core import (
 )
 
 __all__ = [
+    "COMPACT_ABOVE",
+    "VERSION",
     "Header",
     "Inline",
     "Peer",
+    "agree",
     "all_gather_flat",
     "debug_enabled",
     "debug_mode",
+    "dtype_code",
+    "dtype_name",
     "handshake",
+    "handshake_bytes",
     "inline_capacity",
     "inline_limit",
     "inline_payloads",
+    "local_fault",
     "raise_everywhere",
     "signature_of",
+    "transport",
 ]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the packages support >= 2.4.
@@ -70,7 +93,11 @@ all_gather_flat = (
 )
 
 MAX_DIMS = 16
-_FIELDS = 9  # op, status, dtype, reduce op, root, ndim, count, signature, inline bytes
+# magic and version, op, status, dtype, reduce op, root, ndim, count, signature, inline
+# bytes, debug flag
+_FIELDS = 11
+VERSION = 2
+_MAGIC = 0x434F4D4D << 16  # "COMM"
 _WIDTH = 32  # words: the fields, MAX_DIMS dims, padding to 256 bytes (payloads 64-aligned)
 _HEADER_BYTES = 8 * _WIDTH
 
@@ -95,20 +122,55 @@ OPERATIONS = (
     "sync_random_seed",
 )
 REDUCE_OPS = ("sum", "mean", "max", "min", "product")
-DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
+
+
+def _all_dtypes() -> dict[str, torch.dtype]:
+    found: dict[str, torch.dtype] = {}
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            found.setdefault(str(value).replace("torch.", ""), value)
+    return found
+
+
+_DTYPES_BY_NAME = _all_dtypes()
+
+
+def _code_of(dtype: torch.dtype) -> int:
+    name = str(dtype).replace("torch.", "")
+    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 2) | 1
+
+
+_DTYPE_CODES = {d: _code_of(d) for d in _DTYPES_BY_NAME.values()}
+_DTYPE_NAMES = {code: str(d).replace("torch.", "") for d, code in _DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A stable nonzero 62-bit code of ``dtype``: a digest of its name, the same on every
+    rank and in every version (float8 variants, unsigned and complex types included)."""
+    code = _DTYPE_CODES.get(dtype)
+    return _code_of(dtype) if code is None else code
+
+
+def dtype_name(code: int) -> str:
+    """The name of the dtype of ``code`` ("" for 0: no dtype; a marked code if unknown)."""
+    if code == 0:
+        return ""
+    return _DTYPE_NAMES.get(code, f"unknown dtype (code {code})")
+
+
+# A test hook: called with (stage, operation) at the points where a collective does
+# fallible local work, "local" before the handshake and "staging" after it; whatever it
+# raises is treated like any local failure there. Used only by the fault-injection tests.
+fault_hook: Callable[[str, str], None] | None = None
+
+
+def local_fault(stage: str, operation: str) -> None:
+    """Run the test hook [`fault_hook`][comm_collectives.protocol.fault_hook], if set."""
+    if fault_hook is not None:
+        fault_hook(stage, operation)
+
 
 _debug_depth = 0
 
@@ -169,6 +231,7 @@ class Header:
         count: Bytes (objects) or elements (tensors) this rank contributes.
         signature: Digest of structure that must match (dict keys, parameter layout).
         inline: Bytes this rank wants to send inline (-1: none); set by ``handshake``.
+        debug: Whether this rank asked for debug mode; set by ``handshake``.
     """
 
     operation: str
@@ -180,20 +243,23 @@ class Header:
     count: int = 0
     signature: int = 0
     inline: int = -1
+    debug: bool = False
 
     def encode(self) -> list[int]:
         shape = self.shape or ()
         ok = self.error is None and len(shape) <= MAX_DIMS
         words = [
+            _MAGIC | VERSION,
             OPERATIONS.index(self.operation),
             0 if ok else 1,
-            DTYPES.index(self.dtype) if self.dtype in DTYPES else -1,
+            dtype_code(self.dtype) if self.dtype is not None else 0,
             REDUCE_OPS.index(self.reduce_op) if self.reduce_op else -1,
             self.root,
             len(shape) if self.shape is not None else -1,
             self.count,
             self.signature,
             self.inline,
+            int(self.debug),
         ]
         dims = list(shape[:MAX_DIMS]) + [0] * (MAX_DIMS - min(len(shape), MAX_DIMS))
         return words + dims + [0] * (_WIDTH - _FIELDS - MAX_DIMS)
@@ -205,12 +271,15 @@ class Inline:
 
     Attributes:
         nbytes: Size of the data in bytes.
-        write: Fills a uint8 tensor of ``nbytes`` bytes (on the communication device)
+        write: Fills a uint8 tensor of ``nbytes`` bytes (on the device of the headers)
             with the data; called only when the data fits the group's inline capacity.
+        device: Where the data lies: data on an accelerator never rides in headers that
+            travel on the CPU side group (copying it to the host would wait for the device).
     """
 
     nbytes: int
     write: Callable[[torch.Tensor], None]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
     def of_tensor(cls, tensor: torch.Tensor) -> Inline:
@@ -221,7 +290,7 @@ class Inline:
             if nbytes:
                 out.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
 
-        return cls(nbytes, write)
+        return cls(nbytes, write, tensor.device)
 
 
 @dataclass
@@ -268,6 +337,65 @@ def _state(group: torch_dist.ProcessGroup | None) -> _InlineState:
     return state
 
 
+# Where the headers travel. A group whose communication device is not the CPU (nccl)
+# exchanges them on a CPU side group, so reading them never waits for the device: the
+# data stays on the device and the host keeps running ahead. None: automatic; True forces
+# the side group (the tests run this path on gloo), False keeps the headers on the
+# communication device.
+side_channel: bool | None = None
+
+_side_groups: weakref.WeakKeyDictionary[torch_dist.ProcessGroup, torch_dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def header_route(
+    group: torch_dist.ProcessGroup | None,
+) -> tuple[torch_dist.ProcessGroup | None, torch.device]:
+    """The group and the device the handshake of a call on ``group`` uses."""
+    device = get_comm_device(group)
+    use = side_channel if side_channel is not None else device.type != "cpu"
+    if not use:
+        return group, device
+    return _side_group(group), torch.device("cpu")
+
+
+def _has_cpu_backend(pg: torch_dist.ProcessGroup) -> bool:
+    try:
+        pg._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _side_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup:
+    c10d = torch_dist.distributed_c10d
+    pg = group if group is not None and group is not torch_dist.group.WORLD else None
+    pg = pg or c10d._get_default_group()
+    if side_channel is None and _has_cpu_backend(pg):  # "cpu:gloo,cuda:nccl": its gloo part
+        return pg
+    side = _side_groups.get(pg)
+    if side is not None and side in c10d._world.pg_map:
+        return side
+    ranks = torch_dist.get_process_group_ranks(pg)
+    # created by the members only (every rank of the group makes this call now), under a
+    # name derived from the ranks: a gloo group of the same ranks made that way is reused
+    name = c10d._hash_ranks_to_str(ranks)
+    side = next((g for g, n in c10d._world.pg_names.items() if n == name), None)
+    if side is None:
+        side = torch_dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    elif not _has_cpu_backend(side):
+        message = (
+            f"comm-collectives needs a CPU (gloo) side group for the headers of ranks "
+            f"{ranks}, and a group of those ranks created with use_local_synchronization=True "
+            "and no CPU backend already holds its name; create that group with "
+            'backend="cpu:gloo,cuda:nccl" instead.'
+        )
+        raise RuntimeError(message)
+    _side_groups[pg] = side
+    return side
+
+
 def inline_capacity(group: torch_dist.ProcessGroup | None = None) -> int:
     """Bytes a rank can send inside the next handshake frame on ``group``."""
     return _state(group).capacity
@@ -305,6 +433,8 @@ class Peer:
     count: int
     signature: int
     inline: int = -1
+    debug: bool = False
+    version: int = VERSION
     payload: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def row(self, site: str | None) -> dict[str, object]:
@@ -329,18 +459,24 @@ def inline_payloads(peers: list[Peer]) -> list[torch.Tensor] | None:
 
 
 def _decode(rank: int, words: list[int]) -> Peer:
-    op, status, dtype, reduce_op, root, ndim, count, signature, inline = words[:_FIELDS]
+    magic, op, status, dtype, reduce_op, root, ndim, count, signature, inline, debug = words[
+        :_FIELDS
+    ]
+    version = magic & 0xFFFF if magic >> 16 == _MAGIC >> 16 else -1
+    if version != VERSION:
+        return Peer(rank, "unknown", False, "", "", -1, None, 0, 0, version=version)
     return Peer(
         rank=rank,
         operation=OPERATIONS[op] if 0 <= op < len(OPERATIONS) else f"unknown({op})",
         ok=status == 0,
-        dtype=str(DTYPES[dtype]).replace("torch.", "") if dtype >= 0 else "",
+        dtype=dtype_name(dtype),
         reduce_op=REDUCE_OPS[reduce_op] if reduce_op >= 0 else "",
         root=root,
         shape=tuple(words[_FIELDS : _FIELDS + ndim]) if ndim >= 0 else None,
         count=count,
         signature=signature,
         inline=inline,
+        debug=bool(debug),
     )
 
 
@@ -363,8 +499,17 @@ def handshake(
     same: Sequence[str] = (),
     hint: str = "",
     payload: Inline | None = None,
+    varying: bool = True,
 ) -> list[Peer]:
     """Exchange headers and raise the same error on every rank when something is wrong.
+
+    In a world larger than ``COMPACT_ABOVE`` every call starts with one all-reduce (max)
+    of the header and its negation, which tells every rank whether all headers are equal
+    and no rank failed. A call whose headers must be equal (``varying=False``) stops
+    there when they are; otherwise (a difference, a failure, debug mode, or a call that
+    needs each rank's header) the frames are gathered as in a small world. A small call's
+    handshake then costs ``ceil(log2 W) * 432`` bytes a rank (see ``handshake_bytes``)
+    and its data moves in a second collective.
 
     Args:
         header: This rank's header.
@@ -374,6 +519,8 @@ def handshake(
         hint: How to fix a mismatch, appended to the error.
         payload: Data to send inside the frame when it fits ``inline_capacity``. Its
             size is announced either way, so the group's capacity can grow to fit it.
+        varying: Whether the caller needs each rank's own header (shapes or sizes that may
+            differ, inline data); False allows the compact exchange in large worlds.
 
     Returns:
         Every rank's decoded header, index = rank in ``group``. ``Peer.payload`` holds the
@@ -383,15 +530,17 @@ def handshake(
         RemoteRankError: A rank's local work failed (raised on every rank).
         CollectiveMismatchError: The ranks disagree (raised on every rank).
     """
-    sites: list[str] | None = None
-    if debug_enabled():
-        gathered: list[object] = [None] * get_world_size(group)
-        torch_dist.all_gather_object(gathered, _call_site(), group=group)
-        sites = [str(s) for s in gathered]
     state = _state(group)
     capacity = state.capacity
     world = get_world_size(group)
-    device = get_comm_device(group)
+    group, device = header_route(group)
+    if device.type == "cpu" and payload is not None and payload.device.type != "cpu":
+        payload = None  # device data goes by the long path, never through the host
+    header.debug = debug_enabled()
+    if world > COMPACT_ABOVE:  # every call starts with the vote: the same collective
+        agreed = _compact_vote(header, group, device)
+        if agreed is not None and not varying:
+            return agreed
     row = _HEADER_BYTES + capacity
     frame = torch.empty(row, dtype=torch.uint8, device=device)
     used = 0
@@ -407,7 +556,8 @@ def handshake(
     words = torch.tensor(header.encode(), dtype=torch.int64)
     frame[:_HEADER_BYTES].copy_(words.view(torch.uint8))
     table = torch.empty(world * row, dtype=torch.uint8, device=device)
-    all_gather_flat(table, frame, group=group)
+    with transport(header.operation, group):
+        all_gather_flat(table, frame, group=group)
     rows = table.view(world, row)
     headers = rows[:, :_HEADER_BYTES].cpu().contiguous().view(torch.int64).tolist()
     peers = []
@@ -417,8 +567,22 @@ def handshake(
             inline = rows[rank, _HEADER_BYTES : _HEADER_BYTES + peer.inline]
             peer = dataclasses.replace(peer, payload=inline)
         peers.append(peer)
+    if any(p.version != VERSION for p in peers):
+        raise CollectiveMismatchError(
+            header.operation,
+            "the ranks run incompatible versions of the comm-collectives wire protocol.",
+            [{"rank": p.rank, "protocol version": p.version} for p in peers],
+            f"install the same comm-collectives version on every node (this rank speaks "
+            f"version {VERSION}; -1 means a frame that is not comm-collectives' at all).",
+        )
     # every rank applies the same rule to the same table: the capacities stay equal
     state.update(max(p.inline for p in peers))
+    sites: list[str] | None = None
+    if any(p.debug for p in peers):  # one rank asking is enough: every rank sees it
+        gathered: list[object] = [None] * world
+        with transport(header.operation, group):
+            torch_dist.all_gather_object(gathered, _call_site(), group=group)
+        sites = [str(s) for s in gathered]
 
     def table_rows() -> list[dict[str, object]]:
         return [p.row(sites[p.rank] if sites else None) for p in peers]
@@ -443,6 +607,167 @@ def handshake(
     return peers
 
 
+# Above this world size, calls whose headers must be equal use the compact exchange.
+COMPACT_ABOVE = 64
+_INLINE_WORD = 9  # index of the inline-bytes word, the one word that may differ
+
+
+def _compact_vote(
+    header: Header, group: torch_dist.ProcessGroup | None, device: torch.device
+) -> list[Peer] | None:
+    """Every rank's header when all are equal and no rank failed, else None."""
+    header.inline = -1
+    words = header.encode()[: _FIELDS + MAX_DIMS]
+    vector = torch.tensor(words + [-w for w in words], dtype=torch.int64).to(device)
+    with transport(header.operation, group):
+        torch_dist.all_reduce(vector, torch_dist.ReduceOp.MAX, group=group)
+    both = vector.tolist()
+    high, low = both[: len(words)], [-w for w in both[len(words) :]]
+    if high != low or high[2] != 0 or high[10] != 0:  # a difference, a failure, debug mode
+        return None
+    peer = _decode(0, high + [0] * (_WIDTH - len(high)))
+    return [dataclasses.replace(peer, rank=rank) for rank in range(get_world_size(group))]
+
+
+def handshake_bytes(world: int, *, varying: bool = False, capacity: int | None = None) -> int:
+    """Bytes one rank receives in the handshake of one call (the byte model of the docs).
+
+    Args:
+        world: World size.
+        varying: Whether the call needs every rank's header (all_gather, gather, the object
+            collectives, collect_results); False for all_reduce, broadcast, all_reduce_dict,
+            all_reduce_params, sync_random_seed.
+        capacity: The group's inline capacity; its starting value when None.
+
+    Returns:
+        Bytes received per rank. The compact exchange all-reduces the header's 27 words and
+        their negations (432 bytes); the model takes the costlier of the usual algorithms
+        for a buffer that small, recursive doubling: ``ceil(log2 W) * 432``. Otherwise an
+        all-gather brings every other rank's frame: ``(W - 1) * (256 + capacity)``.
+    """
+    if world <= 1:
+        return 0
+    vote = 0
+    if world > COMPACT_ABOVE:
+        vote = (world - 1).bit_length() * 2 * 8 * (_FIELDS + MAX_DIMS)
+        if not varying:
+            return vote
+    if capacity is None:
+        maximum = max(64, min(_MAX_INLINE, _INLINE_BUDGET // world) // 64 * 64)
+        capacity = min(_BASE_INLINE, maximum)
+    return vote + (world - 1) * (_HEADER_BYTES + capacity)
+
+
+def agree(
+    operation: str, error: BaseException | None, group: torch_dist.ProcessGroup | None
+) -> None:
+    """The second vote: raise on every rank when local work after the handshake failed.
+
+    Every rank calls this at the same point, after the work that may fail (allocating
+    receive buffers, staging data on the communication device) and before the data moves.
+    It costs one all-reduce of one word, so collectives call it only on their long path.
+
+    Args:
+        operation: The collective.
+        error: This rank's failure, or None.
+        group: The process group of the collective.
+
+    Raises:
+        RemoteRankError: Some rank passed an error (raised on every rank).
+    """
+    route, device = header_route(group)
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64).to(device)
+    with transport(operation, route):
+        torch_dist.all_reduce(flag, torch_dist.ReduceOp.MAX, group=route)
+    if int(flag.item()):
+        failure = None if error is None else _failure_of(error, route)
+        _gather_and_raise(operation, failure, error, route)
+
+
+# How long a rank that saw a transport error waits for the others to report alive.
+_LIVENESS_WAIT_S = 3.0
+
+
+@contextlib.contextmanager
+def transport(operation: str, group: torch_dist.ProcessGroup | None) -> Iterator[None]:
+    """Turn a transport error of the backend inside the block into the library's error.
+
+    A peer that died (a killed process, a lost node) makes the backend raise a bare
+    RuntimeError on the ranks that talk to it. This raises instead a
+    [`RemoteRankError`][comm_core.RemoteRankError] naming the ranks that did not answer a
+    liveness check through the rendezvous store within a few seconds, or a
+    [`CommTimeoutError`][comm_core.CommTimeoutError] when the backend timed out.
+    """
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as exc:
+        raise _transport_error(operation, exc, group) from exc
+
+
+def _transport_error(
+    operation: str, exc: RuntimeError, group: torch_dist.ProcessGroup | None
+) -> CommError:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    me = get_rank(group)
+    lost = _silent_ranks(group)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        silent = (
+            f" Rank(s) {', '.join(map(str, lost))} did not report alive within "
+            f"{_LIVENESS_WAIT_S:g} s (dead, or stuck elsewhere)."
+            if lost
+            else ""
+        )
+        message = (
+            f"{operation} timed out on rank {me} of the group (world size "
+            f"{get_world_size(group)}): {text}.{silent} Some rank did not reach this call or "
+            "died in it; run with COMM_DEBUG=1 to see each rank's call site, or raise "
+            "init_dist's timeout for slow steps."
+        )
+        return CommTimeoutError(message)
+    if lost is None:
+        cause = (
+            "the rendezvous store does not answer either, so the rank that hosts it (rank 0 "
+            "under init_dist's own store, or the launcher's agent) is probably gone"
+        )
+        failures = [RankFailure(me, "comm.TransportError", f"{text} ({cause})")]
+    elif lost:
+        failures = [
+            RankFailure(
+                rank,
+                "comm.RankLost",
+                f"the rank stopped answering in the middle of the call (seen from rank {me}: "
+                f"{text}); its process probably died: check its log",
+            )
+            for rank in lost
+        ]
+    else:
+        failures = [RankFailure(me, "comm.TransportError", text)]
+    return RemoteRankError(operation, failures)
+
+
+def _silent_ranks(group: torch_dist.ProcessGroup | None) -> list[int] | None:
+    """The ranks of ``group`` that do not show up in the store within a few seconds
+    (None when the store cannot be reached)."""
+    pg = group if group is not None else torch_dist.distributed_c10d._get_default_group()
+    name = str(getattr(pg, "group_name", "default"))
+    world, me = get_world_size(group), get_rank(group)
+    prefix = f"comm/alive/{name}/"
+    try:
+        store = torch_dist.distributed_c10d._get_default_store()
+        store.set(f"{prefix}{me}", "1")
+        missing = set(range(world)) - {me}
+        deadline = time.monotonic() + _LIVENESS_WAIT_S
+        while missing and time.monotonic() < deadline:
+            missing = {r for r in missing if not store.check([f"{prefix}{r}"])}
+            if missing:
+                time.sleep(0.05)
+    except Exception:
+        return None
+    return sorted(missing)
+
+
 def _raise_remote(header: Header, group: torch_dist.ProcessGroup | None) -> None:
     failure: RankFailure | None = None
     if header.error is not None:
@@ -464,8 +789,9 @@ def raise_everywhere(
     Every rank calls this at the same point, once the ranks agree that the call failed;
     ``error`` is this rank's own failure, or None when this rank only reports the others'.
     """
-    failure = None if error is None else _failure_of(error, group)
-    _gather_and_raise(operation, failure, error, group)
+    route, _ = header_route(group)
+    failure = None if error is None else _failure_of(error, route)
+    _gather_and_raise(operation, failure, error, route)
 
 
 def _failure_of(error: BaseException, group: torch_dist.ProcessGroup | None) -> RankFailure:
@@ -484,6 +810,7 @@ def _gather_and_raise(
     group: torch_dist.ProcessGroup | None,
 ) -> NoReturn:
     gathered: list[object] = [None] * get_world_size(group)
-    torch_dist.all_gather_object(gathered, failure, group=group)
+    with transport(operation, group):
+        torch_dist.all_gather_object(gathered, failure, group=group)
     failures = [f for f in gathered if isinstance(f, RankFailure)]
     raise RemoteRankError(operation, failures) from error

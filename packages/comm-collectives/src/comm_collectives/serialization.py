@@ -68,7 +68,7 @@ class _Pickler(pickle.Pickler):
             return NotImplemented
         if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
             return NotImplemented
-        tensor = obj.detach()
+        tensor = obj.detach().resolve_conj().resolve_neg()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         tensor = tensor.contiguous()

@@ -10,6 +10,7 @@ reduction is then done locally in rank order, so every rank gets bit-identical r
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 import torch
 import torch.distributed as torch_dist
@@ -22,29 +23,28 @@ from .protocol import (
     Header,
     Inline,
     Peer,
+    agree,
     all_gather_flat,
     handshake,
     inline_payloads,
+    local_fault,
+    transport,
 )
 
 __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast",
+    "check_op_dtype",
     "gather",
     "global_rank",
+    "prepare_reduction",
     "reduce_inplace",
     "reduce_op_name",
+    "reduce_rows",
     "sync_random_seed",
+    "write_back",
 ]
-
-_TORCH_OPS = {
-    "sum": torch_dist.ReduceOp.SUM,
-    "mean": torch_dist.ReduceOp.SUM,
-    "max": torch_dist.ReduceOp.MAX,
-    "min": torch_dist.ReduceOp.MIN,
-    "product": torch_dist.ReduceOp.PRODUCT,
-}
 
 
 def reduce_op_name(op: str) -> str:
@@ -63,8 +63,17 @@ def global_rank(group: torch_dist.ProcessGroup | None, rank: int) -> int:
     return int(torch_dist.get_global_rank(group, rank))
 
 
+def _check_tensor(name: str, data: object) -> None:
+    if not isinstance(data, torch.Tensor):
+        message = f"{name}: data must be a torch.Tensor, got {type(data).__name__}."
+        raise TypeError(message)
+
+
 def _check_root(name: str, root: int, group: torch_dist.ProcessGroup | None, what: str) -> None:
     world = get_world_size(group)
+    if not isinstance(root, int) or isinstance(root, bool):
+        message = f"{name}: {what} must be an int rank of the group, got {root!r}."
+        raise TypeError(message)
     if not 0 <= root < world:
         message = f"{name}: {what}={root} is not a rank of the group (0..{world - 1})."
         raise ValueError(message)
@@ -87,6 +96,14 @@ def _check_bool_op(dtype: torch.dtype, op: str, operation: str) -> None:
             "'min' (all), or convert the tensor to an integer dtype."
         )
         raise TypeError(message)
+    if dtype.is_complex and op in ("max", "min"):
+        message = f"{operation}: op={op!r} is not defined for a complex tensor."
+        raise TypeError(message)
+
+
+def check_op_dtype(dtype: torch.dtype, op: str, operation: str) -> None:
+    """Raise a TypeError when ``op`` is not defined for ``dtype`` (bool sums, complex max)."""
+    _check_bool_op(dtype, op, operation)
 
 
 def _exact_mean(sums: torch.Tensor, world: int, dtype: torch.dtype, operation: str) -> torch.Tensor:
@@ -106,23 +123,71 @@ def _exact_mean(sums: torch.Tensor, world: int, dtype: torch.dtype, operation: s
     return quotient
 
 
-def reduce_rows(rows: torch.Tensor, op: str, operation: str) -> torch.Tensor:
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of ``dtype`` computes in: wide enough, and the same on every
+    path (float32 for the 16- and 8-bit floats, int64 for every integer)."""
+    if dtype == torch.bool:
+        return torch.uint8
+    if dtype.is_complex:
+        return torch.complex128 if dtype == torch.complex128 else torch.complex64
+    if dtype.is_floating_point:
+        return torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.int64
+
+
+_SIGN = -(2**63)  # flips uint64's order into int64's
+
+
+def _widen(row: torch.Tensor, acc: torch.dtype, op: str) -> torch.Tensor:
+    if row.dtype == torch.uint64:  # bit-exact: a view, with the order fixed for max / min
+        wide = row.view(torch.int64)
+        return wide ^ _SIGN if op in ("max", "min") else wide
+    return row.to(acc)
+
+
+def reduce_rows(rows: torch.Tensor, op: str, operation: str, *, exact: bool = True) -> torch.Tensor:
     """Reduce ``rows`` (one row per rank, in rank order) over its first dimension.
 
-    The local counterpart of ``reduce_inplace`` for data gathered inline: the same
-    ops, the same exact integer mean, the same errors.
+    This is the one reduction of comm-collectives: the inline path applies it to the rows
+    gathered in the handshake, the long path to the chunk each rank owns, so both give the
+    same bits for every dtype and op. It accumulates in rank order, element by element,
+    in ``_accumulator(dtype)``, and rounds once to the dtype at the end. ``mean`` of an
+    integer dtype is exact (a ValueError names an inexact element); with ``exact=False``
+    it returns the int64 sums instead, for the caller to check once it holds them all.
     """
     world, dtype = rows.shape[0], rows.dtype
     _check_bool_op(dtype, op, operation)
-    work = rows.to(torch.uint8) if dtype == torch.bool else rows
-    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
-        return _exact_mean(work.sum(0, dtype=torch.int64), world, dtype, operation)
-    if op in ("sum", "mean"):
-        result = work.sum(0, dtype=work.dtype)
-        return result.div_(world) if op == "mean" else result
-    if op == "product":
-        return work.prod(0, dtype=work.dtype)
-    return work.amax(0) if op == "max" else work.amin(0)
+    acc_dtype = _accumulator(dtype)
+    acc = _widen(rows[0], acc_dtype, op).clone()
+    for index in range(1, world):
+        row = _widen(rows[index], acc_dtype, op)
+        if op in ("sum", "mean"):
+            acc.add_(row)
+        elif op == "product" and acc.is_complex():
+            acc = _complex_product(acc, row)
+        elif op == "product":
+            acc.mul_(row)
+        elif op == "max":
+            acc = torch.maximum(acc, row)
+        else:
+            acc = torch.minimum(acc, row)
+    integral = not (dtype.is_floating_point or dtype.is_complex)
+    if op == "mean" and integral:
+        return _exact_mean(acc, world, dtype, operation).to(dtype) if exact else acc
+    if op == "mean":
+        acc.div_(world)
+    if dtype == torch.uint64:
+        return (acc ^ _SIGN if op in ("max", "min") else acc).view(torch.uint64)
+    return acc.to(dtype)
+
+
+def _complex_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a * b`` in real arithmetic, one rounding per step: a vectorised complex multiply
+    may round differently in the body of a loop and in its tail, and then a result would
+    depend on where in a buffer an element sits."""
+    ar, ai = a.real, a.imag
+    br, bi = b.real, b.imag
+    return torch.complex(ar * br - ai * bi, ar * bi + ai * br)
 
 
 def _inline_rows(peers: list[Peer], dtype: torch.dtype) -> list[torch.Tensor] | None:
@@ -131,33 +196,101 @@ def _inline_rows(peers: list[Peer], dtype: torch.dtype) -> list[torch.Tensor] | 
     return None if payloads is None else [p.view(dtype) for p in payloads]
 
 
+class _Reduction:
+    """The long path of a reduction, prepared (every buffer allocated) before any data moves.
+
+    Each rank owns one chunk of the flat data: an all-to-all hands every rank the others'
+    pieces of its chunk, the rank reduces them with ``reduce_rows`` in rank order, and an
+    all-gather returns the reduced chunks to every rank. The bytes moved are those of a
+    ring all-reduce, and the result is bit-identical to the inline path's. ``parts`` are
+    tensors of one dtype (on any devices), reduced as one flat buffer.
+    """
+
+    def __init__(
+        self,
+        parts: list[torch.Tensor],
+        op: str,
+        group: torch_dist.ProcessGroup | None,
+        operation: str,
+    ) -> None:
+        dtype = parts[0].dtype
+        _check_bool_op(dtype, op, operation)
+        self.dtype, self.op, self.group, self.operation = dtype, op, group, operation
+        self.world = get_world_size(group)
+        device = get_comm_device(group)
+        self.numel = sum(p.numel() for p in parts)
+        self.chunk = -(-self.numel // self.world)
+        total = self.chunk * self.world
+        self.send = torch.empty(total, dtype=dtype, device=device)
+        offset = 0
+        with torch.no_grad():
+            for part in parts:
+                n = part.numel()
+                self.send[offset : offset + n].copy_(part.detach().reshape(-1))
+                offset += n
+        if total > self.numel:
+            self.send[self.numel :].view(torch.uint8).zero_()
+        self.recv = torch.empty_like(self.send)
+        self.exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
+        self.out = torch.empty(total, dtype=torch.int64 if self.exact else dtype, device=device)
+
+    def run(self) -> torch.Tensor:
+        """Move the data and return the reduced flat tensor (on the communication device)."""
+        if self.numel:
+            with transport(self.operation, self.group):
+                torch_dist.all_to_all_single(
+                    self.recv.view(torch.uint8), self.send.view(torch.uint8), group=self.group
+                )
+            rows = self.recv.view(self.world, self.chunk)
+            mine = reduce_rows(rows, self.op, self.operation, exact=False).contiguous()
+            with transport(self.operation, self.group):
+                all_gather_flat(
+                    self.out.view(torch.uint8), mine.view(torch.uint8), group=self.group
+                )
+        result = self.out[: self.numel]
+        if self.exact:
+            result = _exact_mean(result, self.world, self.dtype, self.operation)
+        return result
+
+
+def prepare_reduction(
+    parts: list[torch.Tensor], op: str, group: torch_dist.ProcessGroup | None, operation: str
+) -> _Reduction:
+    """Allocate the long path of reducing ``parts`` as one flat buffer (see ``_Reduction``).
+
+    It may raise (a device move, an allocation): the caller then passes the error to
+    [`agree`][comm_collectives.protocol.agree] before any data moves.
+    """
+    local_fault("staging", operation)
+    return _Reduction(parts, op, group, operation)
+
+
 def reduce_inplace(
     tensor: torch.Tensor, op: str, group: torch_dist.ProcessGroup | None, operation: str
 ) -> None:
-    """Reduce ``tensor`` across ``group`` in place, with no handshake (the caller did it).
+    """Reduce ``tensor`` across ``group`` in place, after the handshake (the caller did it).
 
-    ``mean`` of an integer tensor is exact: the sums are reduced in int64 and the result is
-    stored only when every element divides evenly; otherwise a ValueError (the same on every
-    rank, since every rank holds the same sums) leaves ``tensor`` untouched.
+    The buffers are prepared first and a second vote ([`agree`][comm_collectives.protocol.agree])
+    makes a local failure there raise on every rank. ``mean`` of an integer tensor is exact:
+    the sums are reduced in int64 and the result is stored only when every element divides
+    evenly; otherwise a ValueError (the same on every rank, since every rank holds the same
+    sums) leaves ``tensor`` untouched.
     """
-    world = get_world_size(group)
-    device = get_comm_device(group)
-    exact_mean = op == "mean" and not (tensor.is_floating_point() or tensor.is_complex())
-    _check_bool_op(tensor.dtype, op, operation)
-    if tensor.dtype == torch.bool:
-        work = tensor.to(device=device, dtype=torch.uint8)
-    elif exact_mean:
-        work = tensor.to(device=device, dtype=torch.int64, copy=True)
-    else:
-        work = _staged(tensor, device)
-    if world > 1:
-        torch_dist.all_reduce(work, _TORCH_OPS[op], group=group)
-    if exact_mean:
-        work = _exact_mean(work, world, tensor.dtype, operation)
-    elif op == "mean":
-        work.div_(world)
-    if work is not tensor:
-        tensor.copy_(work)
+    reduction: _Reduction | None = None
+    error: BaseException | None = None
+    try:
+        reduction = prepare_reduction([tensor], op, group, operation)
+    except Exception as exc:
+        error = exc
+    agree(operation, error, group)
+    assert reduction is not None
+    write_back(tensor, reduction.run())
+
+
+def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
+    """Copy a reduced flat tensor into ``tensor`` (no autograd: a leaf may require grad)."""
+    with torch.no_grad():
+        tensor.copy_(flat.view(tensor.shape))
 
 
 def all_reduce(
@@ -180,33 +313,62 @@ def all_reduce(
         >>> t
         tensor([1, 3])
     """
-    name = reduce_op_name(op)
     if get_world_size(group) == 1:
+        reduce_op_name(op)
+        _check_tensor("all_reduce", data)
         return
+    name, error = "", None
+    try:
+        name = reduce_op_name(op)
+        _check_tensor("all_reduce", data)
+        _check_bool_op(data.dtype, name, "all_reduce")
+        local_fault("local", "all_reduce")
+    except Exception as exc:
+        error = exc
+    ok = error is None
     peers = handshake(
-        Header("all_reduce", dtype=data.dtype, reduce_op=name, shape=tuple(data.shape)),
+        Header(
+            "all_reduce",
+            error=error,
+            dtype=data.dtype if ok else None,
+            reduce_op=name or None,
+            shape=tuple(data.shape) if ok else None,
+        ),
         group,
         same=("dtype", "reduce_op", "shape"),
         hint="all_reduce needs the same shape, dtype and op on every rank.",
-        payload=Inline.of_tensor(data),
+        payload=Inline.of_tensor(data) if ok else None,
+        varying=False,
     )
     rows = _inline_rows(peers, data.dtype)
     if rows is None:
         reduce_inplace(data, name, group, "all_reduce")
     else:
-        data.copy_(reduce_rows(torch.stack(rows), name, "all_reduce").view(data.shape))
+        write_back(data, reduce_rows(torch.stack(rows), name, "all_reduce"))
 
 
 def _gather_layout(
-    operation: str, data: torch.Tensor, group: torch_dist.ProcessGroup | None, root: int = -1
+    operation: str,
+    data: torch.Tensor,
+    group: torch_dist.ProcessGroup | None,
+    root: int = -1,
+    error: BaseException | None = None,
 ) -> tuple[list[tuple[int, ...]], list[torch.Tensor] | None]:
     """Every rank's shape, and every rank's tensor when all came inline (else None)."""
+    ok = error is None
     peers = handshake(
-        Header(operation, dtype=data.dtype, root=root, shape=tuple(data.shape), count=data.numel()),
+        Header(
+            operation,
+            error=error,
+            dtype=data.dtype if ok else None,
+            root=root if ok else -1,
+            shape=tuple(data.shape) if ok else None,
+            count=data.numel() if ok else 0,
+        ),
         group,
         same=("dtype", "root"),
         hint=f"{operation} accepts different shapes but needs one dtype and one root.",
-        payload=Inline.of_tensor(data),
+        payload=Inline.of_tensor(data) if ok else None,
     )
     shapes = [p.shape or () for p in peers]
     rows = _inline_rows(peers, data.dtype)
@@ -216,14 +378,37 @@ def _gather_layout(
     return shapes, [r.view(s).to(data.device, copy=True) for r, s in zip(rows, shapes)]
 
 
+def _local_checks(operation: str, data: object, check: Callable[[], None] | None = None) -> None:
+    """The argument checks of a tensor collective and the test hook, before the handshake."""
+    _check_tensor(operation, data)
+    if check is not None:
+        check()
+    local_fault("local", operation)
+
+
+def _checked(
+    operation: str, data: object, check: Callable[[], None] | None = None
+) -> BaseException | None:
+    try:
+        _local_checks(operation, data, check)
+    except Exception as exc:
+        return exc
+    return None
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor: gloo moves bytes of any dtype."""
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def _plain(data: torch.Tensor) -> torch.Tensor:
+    """``data`` without autograd and with conjugate / negative bits materialised."""
+    return data.detach().resolve_conj().resolve_neg()
+
+
 def _padded_send(data: torch.Tensor, device: torch.device, width: int) -> torch.Tensor:
     """The bytes of ``data`` on ``device``, zero-padded to ``width`` elements."""
-    flat = _as_bytes(data.detach().to(device).contiguous())
+    flat = _as_bytes(_plain(data).to(device).contiguous())
     nbytes = width * data.element_size()
     if flat.numel() == nbytes:
         return flat
@@ -262,17 +447,25 @@ def all_gather(
         [tensor([0, 1, 2])]
     """
     if get_world_size(group) == 1:
+        _check_tensor("all_gather", data)
         return [data]
-    shapes, inline = _gather_layout("all_gather", data, group)
+    error = _checked("all_gather", data)
+    shapes, inline = _gather_layout("all_gather", data, group, error=error)
     if inline is not None:
         return inline
     device = get_comm_device(group)
     width = max(_numel(s) for s in shapes)
     if width == 0:
         return [torch.empty(s, dtype=data.dtype, device=data.device) for s in shapes]
-    send = _padded_send(data, device, width)
-    out = empty_bytes(len(shapes) * send.numel(), device)
-    all_gather_flat(out, send, group=group)
+    try:
+        local_fault("staging", "all_gather")
+        send = _padded_send(data, device, width)
+        out = empty_bytes(len(shapes) * send.numel(), device)
+    except Exception as exc:
+        error = exc
+    agree("all_gather", error, group)
+    with transport("all_gather", group):
+        all_gather_flat(out, send, group=group)
     return _split(out, shapes, data.dtype, data.device)
 
 
@@ -298,10 +491,11 @@ def gather(
     Returns:
         On ``dst`` one tensor per rank on ``data``'s device; an empty list elsewhere.
     """
-    _check_root("gather", dst, group, "dst")
     if get_world_size(group) == 1:
+        _local_checks("gather", data, lambda: _check_root("gather", dst, group, "dst"))
         return [data]
-    shapes, inline = _gather_layout("gather", data, group, root=dst)
+    error = _checked("gather", data, lambda: _check_root("gather", dst, group, "dst"))
+    shapes, inline = _gather_layout("gather", data, group, root=dst, error=error)
     me = get_rank(group)
     if inline is not None:
         return inline if me == dst else []
@@ -313,13 +507,21 @@ def gather(
             if me == dst
             else []
         )
-    send = _padded_send(data, device, width)
-    if me == dst:
-        out = empty_bytes(len(shapes) * send.numel(), device)
-        rows = list(out.view(len(shapes), -1).unbind(0))
-        torch_dist.gather(send, rows, dst=global_rank(group, dst), group=group)
-        return _split(out, shapes, data.dtype, data.device)
-    torch_dist.gather(send, None, dst=global_rank(group, dst), group=group)
+    out = None
+    try:
+        local_fault("staging", "gather")
+        send = _padded_send(data, device, width)
+        if me == dst:
+            out = empty_bytes(len(shapes) * send.numel(), device)
+    except Exception as exc:
+        error = exc
+    agree("gather", error, group)
+    with transport("gather", group):
+        if out is not None:
+            rows = list(out.view(len(shapes), -1).unbind(0))
+            torch_dist.gather(send, rows, dst=global_rank(group, dst), group=group)
+            return _split(out, shapes, data.dtype, data.device)
+        torch_dist.gather(send, None, dst=global_rank(group, dst), group=group)
     return []
 
 
@@ -327,6 +529,8 @@ def broadcast(
     data: torch.Tensor, src: int = 0, group: torch_dist.ProcessGroup | None = None
 ) -> None:
     """Copy ``data`` of rank ``src`` into ``data`` of every rank, in place.
+
+    The tensor of ``src`` itself is only read (it may be read-only or an expanded view).
 
     Args:
         data: The tensor; every rank passes the same shape and dtype.
@@ -336,27 +540,42 @@ def broadcast(
     Raises:
         CollectiveMismatchError: Ranks passed different shapes, dtypes or sources.
     """
-    _check_root("broadcast", src, group, "src")
     if get_world_size(group) == 1:
+        _local_checks("broadcast", data, lambda: _check_root("broadcast", src, group, "src"))
         return
+    error = _checked("broadcast", data, lambda: _check_root("broadcast", src, group, "src"))
     me = get_rank(group)
+    ok = error is None
     peers = handshake(
-        Header("broadcast", dtype=data.dtype, root=src, shape=tuple(data.shape)),
+        Header(
+            "broadcast",
+            error=error,
+            dtype=data.dtype if ok else None,
+            root=src if ok else -1,
+            shape=tuple(data.shape) if ok else None,
+        ),
         group,
         same=("dtype", "root", "shape"),
         hint="broadcast needs a tensor of the same shape and dtype on every rank.",
-        payload=Inline.of_tensor(data) if me == src else None,
+        payload=Inline.of_tensor(data) if ok and me == src else None,
+        varying=False,
     )
     inline = peers[src].payload
     if inline is not None:
         if me != src:
-            data.copy_(inline.view(data.dtype).view(data.shape))
+            write_back(data, inline.view(data.dtype))
         return
     device = get_comm_device(group)
-    work = _staged(data, device)
-    torch_dist.broadcast(_as_bytes(work), global_rank(group, src), group=group)
-    if work is not data:
-        data.copy_(work)
+    try:
+        local_fault("staging", "broadcast")
+        work = _staged(_plain(data) if me == src else data, device)
+    except Exception as exc:
+        error = exc
+    agree("broadcast", error, group)
+    with transport("broadcast", group):
+        torch_dist.broadcast(_as_bytes(work), global_rank(group, src), group=group)
+    if me != src and work is not data:  # the root's own tensor is never written
+        write_back(data, work)
 
 
 def sync_random_seed(group: torch_dist.ProcessGroup | None = None) -> int:
@@ -372,13 +591,20 @@ def sync_random_seed(group: torch_dist.ProcessGroup | None = None) -> int:
     if get_world_size(group) == 1:
         return seed
     mine = torch.tensor([seed], dtype=torch.int64)
+    error = None
+    try:
+        local_fault("local", "sync_random_seed")
+    except Exception as exc:
+        error = exc
     peers = handshake(
-        Header("sync_random_seed"),
+        Header("sync_random_seed", error=error),
         group,
         payload=Inline.of_tensor(mine) if get_rank(group) == 0 else None,
+        varying=False,
     )
     drawn = peers[0].payload
     if drawn is None:  # inline data switched off (protocol.inline_limit(0))
         drawn = mine.to(get_comm_device(group))
-        torch_dist.broadcast(drawn, global_rank(group, 0), group=group)
+        with transport("sync_random_seed", group):
+            torch_dist.broadcast(drawn, global_rank(group, 0), group=group)
     return int(drawn.view(torch.int64)[0])

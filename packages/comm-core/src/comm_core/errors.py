@@ -63,7 +63,11 @@ class DeviceMismatchError(CommError, ValueError):
 
 
 class CommTimeoutError(CommError, TimeoutError):
-    """A distributed operation did not finish within its bounded time."""
+    """A distributed operation did not finish within its bounded time.
+
+    comm-collectives raises it when the backend reports that a collective timed out (the
+    process group's ``timeout``), in place of the backend's bare RuntimeError.
+    """
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,11 @@ class RemoteRankError(CommError):
         lines.append("Fix the cause on the named rank(s); the other ranks only report it.")
         super().__init__("\n".join(lines))
 
+    def __reduce__(self) -> tuple[type[RemoteRankError], tuple[str, tuple[RankFailure, ...]]]:
+        # the default reduction passes the message as the only argument: it would not
+        # unpickle in a process pool, concurrent.futures or Ray
+        return (type(self), (self.operation, self.failures))
+
     @property
     def ranks(self) -> tuple[int, ...]:
         """The ranks that failed."""
@@ -125,7 +134,9 @@ class CollectiveMismatchError(CommError, ValueError):
 
     Attributes:
         operation: The collective on which the mismatch was found.
+        problem: What differs, in one sentence.
         rows: One mapping per rank (column name to value), in rank order.
+        hint: How to fix it, or an empty string.
     """
 
     def __init__(
@@ -136,12 +147,22 @@ class CollectiveMismatchError(CommError, ValueError):
         hint: str = "",
     ) -> None:
         self.operation = operation
+        self.problem = problem
+        self.hint = hint
         self.rows = tuple(dict(row) for row in rows)
         table = format_table(self.rows)
         message = f"{operation}: {problem}\n{table}"
         if hint:
             message += f"\nHINT: {hint}"
         super().__init__(message)
+
+    def __reduce__(
+        self,
+    ) -> tuple[
+        type[CollectiveMismatchError],
+        tuple[str, str, tuple[dict[str, object], ...], str],
+    ]:
+        return (type(self), (self.operation, self.problem, self.rows, self.hint))
 
 
 def format_table(rows: Sequence[Mapping[str, object]]) -> str:

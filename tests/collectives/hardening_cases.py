@@ -1,0 +1,179 @@
+"""Module-level functions for test_hardening.py, run on every rank of a real gloo world."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+import comm_collectives as dist
+from comm_collectives import protocol
+from comm_core import CollectiveMismatchError, RemoteRankError
+
+N = 200  # elements: the largest dtype (16 bytes) fits the first inline capacity (4 KiB)
+
+
+def _input(name: str, rank: int) -> torch.Tensor:
+    dtype = getattr(torch, name)
+    g = torch.Generator().manual_seed(1000 + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (N,), generator=g).bool()
+    if dtype.is_complex:
+        return torch.complex(torch.randn(N, generator=g), torch.randn(N, generator=g)).to(dtype)
+    if dtype.is_floating_point:
+        return (torch.randn(N, generator=g, dtype=torch.float64) * 3).to(dtype)
+    low = 0 if name.startswith("uint") else -5
+    return torch.randint(low, 6, (N,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def paths_agree(names: list[str], ops: list[str]) -> dict[str, Any]:
+    """Each (dtype, op): the bytes of the result on the inline and the long path, how many
+    collectives the inline call took, and this rank's input (as float64 where it has one)."""
+    rank = dist.get_rank()
+    group = torch_dist.distributed_c10d._get_default_group()
+    out: dict[str, Any] = {}
+    for name in names:
+        x = _input(name, rank)
+        for op in ops:
+            results: list[Any] = []
+            calls = 0
+            for path in ("inline", "long"):
+                t = x.clone()
+                limit = protocol.inline_limit(0) if path == "long" else contextlib.nullcontext()
+                before = group._get_sequence_number_for_group()
+                with limit:
+                    try:
+                        dist.all_reduce(t, op=op)
+                        results.append(t.view(torch.uint8).tolist())
+                    except RemoteRankError as exc:
+                        results.append(f"RemoteRankError: {exc.failures[0].error_type}")
+                    except (ValueError, TypeError) as exc:
+                        results.append(type(exc).__name__)
+                if path == "inline":
+                    calls = group._get_sequence_number_for_group() - before
+            value = t.to(torch.float64).tolist() if not (x.is_complex() or name == "bool") else []
+            out[f"{name}/{op}"] = {
+                "inline": results[0],
+                "long": results[1],
+                "calls": calls,
+                "input": x.to(torch.float64).tolist()
+                if not (x.is_complex() or name == "bool")
+                else [],
+                "result": value if isinstance(results[1], list) else [],
+            }
+    return out
+
+
+def _caught(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "", ""
+
+
+def dtype_codes() -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for a, b in [("float8_e4m3fn", "float8_e5m2"), ("uint16", "uint32"), ("complex32", "int32")]:
+        dtype = getattr(torch, a if rank == 0 else b)
+        out[f"{a}/{b}"] = _caught(dist.all_gather, torch.ones(3).to(dtype))
+    ok = dist.all_gather(torch.full((2,), float(rank + 1)).to(torch.float8_e5m2))
+    out["float8_ok"] = [t.to(torch.float32).tolist() for t in ok]
+    return out
+
+
+def version_mismatch() -> dict[str, Any]:
+    rank = dist.get_rank()
+    saved = protocol.VERSION
+    if rank == 1:
+        protocol.VERSION = saved + 7
+    try:
+        caught = _caught(dist.all_reduce, torch.ones(2))
+    finally:
+        protocol.VERSION = saved
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {"caught": caught, "next": float(t)}
+
+
+def minor_cases(long_path: bool) -> dict[str, Any]:
+    """Leaf tensors that require grad, a read-only root in broadcast, conjugate views,
+    all_reduce_params all or nothing."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    limit = protocol.inline_limit(0) if long_path else contextlib.nullcontext()
+    with limit:
+        leaf = torch.full((3,), float(rank + 1), requires_grad=True)
+        dist.all_reduce(leaf)
+        out["leaf"] = (leaf.detach().tolist(), leaf.requires_grad)
+        # the root's tensor is an expanded view (not writable in place); only read
+        data = torch.ones(1).expand(1000) * 0 + 5 if rank == 0 else torch.zeros(1000)
+        if rank == 0:
+            data = torch.full((1,), 5.0).expand(1000)
+        dist.broadcast(data, src=0)
+        out["broadcast"] = (float(data.min()), float(data.max()))
+        z = torch.tensor([1 + 2j, 3 - 1j]) * (rank + 1)
+        views = dist.all_gather(z.conj() if rank == world - 1 else z)
+        out["conj"] = [[(c.real, c.imag) for c in v.tolist()] for v in views]
+        neg = dist.all_gather(z.conj().imag if rank == 0 else z.imag)  # a negative-bit view
+        out["neg"] = [v.tolist() for v in neg]
+        objs = dist.all_gather_object({"z": z.conj()})
+        out["conj_object"] = [[(c.real, c.imag) for c in o["z"].tolist()] for o in objs]
+        # mean of a float buffer and an integer counter whose mean is not exact
+        running = torch.full((2,), float(rank))
+        counter = torch.tensor(10 + rank)
+        out["params"] = _caught(dist.all_reduce_params, [running, counter], op="mean")
+        out["params_untouched"] = (running.tolist(), int(counter))
+    return out
+
+
+def mismatch_pickles() -> dict[str, Any]:
+    import pickle
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    try:
+        dist.all_reduce(torch.ones(rank + 1))
+    except CollectiveMismatchError as exc:
+        again = pickle.loads(pickle.dumps(exc))
+        out["mismatch"] = (str(again) == str(exc), again.rows == exc.rows, again.operation)
+    try:
+        dist.all_gather_object((lambda: 0) if rank == 0 else 1)
+    except RemoteRankError as exc:
+        again = pickle.loads(pickle.dumps(exc))
+        out["remote"] = (str(again) == str(exc), again.ranks, again.operation)
+    return out
+
+
+def side_channel_counts() -> dict[str, Any]:
+    """Collectives on the group itself and on the side group, per call, with the headers on
+    the side group (the nccl layout, forced on gloo)."""
+    rank = dist.get_rank()
+    group = torch_dist.distributed_c10d._get_default_group()
+    saved = protocol.side_channel
+    protocol.side_channel = True
+    try:
+        side = protocol.header_route(group)[0]
+        assert side is not None
+        out: dict[str, Any] = {}
+        for name, path in (("inline", False), ("long", True)):
+            t = torch.full((3,), float(rank + 1))
+            data0 = group._get_sequence_number_for_group()
+            side0 = side._get_sequence_number_for_group()
+            limit = protocol.inline_limit(0) if path else contextlib.nullcontext()
+            with limit:
+                dist.all_reduce(t)
+            out[name] = (
+                t.tolist(),
+                group._get_sequence_number_for_group() - data0,
+                side._get_sequence_number_for_group() - side0,
+            )
+        out["mismatch"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
+        out["remote"] = _caught(dist.all_reduce, torch.ones(2), op="avg" if rank else "sum")[0]
+        out["same_side"] = protocol.header_route(group)[0] is side
+        return out
+    finally:
+        protocol.side_channel = saved
