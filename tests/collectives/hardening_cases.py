@@ -177,3 +177,38 @@ def side_channel_counts() -> dict[str, Any]:
         return out
     finally:
         protocol.side_channel = saved
+
+
+def unchecked_cases() -> dict[str, Any]:
+    """The unchecked path: the backend's own collective, one per call, right values."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = torch_dist.distributed_c10d._get_default_group()
+    out: dict[str, Any] = {}
+    with dist.unchecked():
+        before = group._get_sequence_number_for_group()
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, op="mean")
+        out["all_reduce"] = (t.tolist(), group._get_sequence_number_for_group() - before)
+        ints = torch.tensor([2 * rank, 4], dtype=torch.int32)
+        dist.all_reduce(ints, op="mean")
+        out["int_mean"] = (ints.tolist(), str(ints.dtype))
+        flags = torch.tensor([rank == 0, False])
+        dist.all_reduce(flags, op="max")
+        out["bool"] = flags.tolist()
+        b = torch.full((2,), float(rank))
+        dist.broadcast(b, src=world - 1)
+        out["broadcast"] = b.tolist()
+        d = {"a": torch.tensor(float(rank)), "n": torch.tensor([rank, 1])}
+        before = group._get_sequence_number_for_group()
+        dist.all_reduce_dict(d)
+        out["dict"] = (
+            float(d["a"]),
+            d["n"].tolist(),
+            group._get_sequence_number_for_group() - before,
+        )
+        params = [torch.ones(2) * rank, torch.tensor([rank], dtype=torch.int64)]
+        dist.all_reduce_params(params, op="max")
+        out["params"] = [p.tolist() for p in params]
+        with dist.debug_mode():  # debug mode turns the checks back on
+            out["debug"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
+    return out

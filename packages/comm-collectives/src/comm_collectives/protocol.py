@@ -72,6 +72,7 @@ __all__ = [
     "Peer",
     "agree",
     "all_gather_flat",
+    "checks_enabled",
     "debug_enabled",
     "debug_mode",
     "dtype_code",
@@ -85,6 +86,7 @@ __all__ = [
     "raise_everywhere",
     "signature_of",
     "transport",
+    "unchecked",
 ]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the packages support >= 2.4.
@@ -209,6 +211,44 @@ def debug_mode() -> Iterator[None]:
         yield
     finally:
         _debug_depth -= 1
+
+
+_unchecked_depth = 0
+
+
+def checks_enabled() -> bool:
+    """Return False inside [`unchecked`][comm_collectives.unchecked] (and not in debug mode)."""
+    return _unchecked_depth == 0 or debug_enabled()
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """Skip the handshake of the reductions and broadcasts inside the block, for hot loops.
+
+    ``all_reduce``, ``broadcast``, ``all_reduce_dict`` and ``all_reduce_params`` then issue
+    the backend's own collective and nothing else: no header, no vote, no inline data, and
+    the backend's reduction order (the bits of a float sum may differ from the checked
+    paths, which reduce in rank order). A mismatch or a failure on one rank is then not
+    detected: the other ranks wait for the process group's timeout, as with
+    torch.distributed. The collectives that need every rank's size (gathers, object
+    collectives, collect_results) keep their handshake. Every rank must enter and leave
+    the block at the same point of its program; debug mode turns the checks back on.
+
+    Examples:
+        >>> import torch
+        >>> import comm_collectives as dist
+        >>> grads = [torch.ones(3)]
+        >>> with dist.unchecked():
+        ...     dist.all_reduce_params(grads, op="mean")  # one backend all-reduce a bucket
+        >>> grads[0]
+        tensor([1., 1., 1.])
+    """
+    global _unchecked_depth
+    _unchecked_depth += 1
+    try:
+        yield
+    finally:
+        _unchecked_depth -= 1
 
 
 def signature_of(parts: Sequence[object]) -> int:

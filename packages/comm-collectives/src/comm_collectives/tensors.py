@@ -25,6 +25,7 @@ from .protocol import (
     Peer,
     agree,
     all_gather_flat,
+    checks_enabled,
     handshake,
     inline_payloads,
     local_fault,
@@ -34,6 +35,7 @@ from .protocol import (
 __all__ = [
     "all_gather",
     "all_reduce",
+    "backend_reduce",
     "broadcast",
     "check_op_dtype",
     "gather",
@@ -253,6 +255,39 @@ class _Reduction:
         return result
 
 
+_TORCH_OPS = {
+    "sum": torch_dist.ReduceOp.SUM,
+    "mean": torch_dist.ReduceOp.SUM,
+    "max": torch_dist.ReduceOp.MAX,
+    "min": torch_dist.ReduceOp.MIN,
+    "product": torch_dist.ReduceOp.PRODUCT,
+}
+
+
+def backend_reduce(
+    parts: list[torch.Tensor], op: str, group: torch_dist.ProcessGroup | None, operation: str
+) -> torch.Tensor:
+    """Reduce ``parts`` (one dtype) as one flat buffer with the backend's own all-reduce.
+
+    The unchecked path: no handshake, the backend's reduction order. Integer means stay
+    exact (int64 sums, checked on every rank); bools reduce as uint8.
+    """
+    dtype = parts[0].dtype
+    _check_bool_op(dtype, op, operation)
+    device = get_comm_device(group)
+    exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
+    wire = torch.int64 if exact else torch.uint8 if dtype == torch.bool else dtype
+    flats = [p.detach().reshape(-1).to(device=device, dtype=wire) for p in parts]
+    work = flats[0].clone() if len(flats) == 1 else torch.cat(flats)
+    with transport(operation, group):
+        torch_dist.all_reduce(work, _TORCH_OPS[op], group=group)
+    if exact:
+        return _exact_mean(work, get_world_size(group), dtype, operation)
+    if op == "mean":
+        work.div_(get_world_size(group))
+    return work if wire == dtype else work.to(dtype)
+
+
 def prepare_reduction(
     parts: list[torch.Tensor], op: str, group: torch_dist.ProcessGroup | None, operation: str
 ) -> _Reduction:
@@ -316,6 +351,9 @@ def all_reduce(
     if get_world_size(group) == 1:
         reduce_op_name(op)
         _check_tensor("all_reduce", data)
+        return
+    if not checks_enabled():
+        write_back(data, backend_reduce([data], reduce_op_name(op), group, "all_reduce"))
         return
     name, error = "", None
     try:
@@ -542,6 +580,14 @@ def broadcast(
     """
     if get_world_size(group) == 1:
         _local_checks("broadcast", data, lambda: _check_root("broadcast", src, group, "src"))
+        return
+    if not checks_enabled():
+        _check_root("broadcast", src, group, "src")
+        work = _staged(_plain(data) if get_rank(group) == src else data, get_comm_device(group))
+        with transport("broadcast", group):
+            torch_dist.broadcast(_as_bytes(work), global_rank(group, src), group=group)
+        if get_rank(group) != src and work is not data:
+            write_back(data, work)
         return
     error = _checked("broadcast", data, lambda: _check_root("broadcast", src, group, "src"))
     me = get_rank(group)
