@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Install the built wheels the way a user does, into clean virtual environments (nothing
-# editable, nothing from the checkout), and run a two-rank smoke run of every wrapper in
-# each (scripts/smoke_wrappers.py):
+# editable, nothing from the checkout), and run a two-rank torchrun smoke run in each:
+#   core:        torch and numpy at the declared floor (NUMPY_FLOOR), then comm-core alone
+#                (scripts/smoke_layers.py core);
+#   collectives: the same, then comm-collectives alone (scripts/smoke_layers.py collectives);
+# and of every wrapper (scripts/smoke_wrappers.py):
 #   plain:     torch, then comm-wrappers;
 #   deepspeed: torch, setuptools, wheel, ninja, then comm-wrappers[deepspeed] without build
 #              isolation (DeepSpeed ships only an sdist whose build imports torch).
@@ -11,6 +14,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
 TORCH_VERSION="2.13.0"
+NUMPY_FLOOR="1.24.4"  # comm-core and comm-collectives declare numpy>=1.24: the floor runs here
 base="$ROOT/.tools/install-check"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 start=$(date +%s)
@@ -28,8 +32,8 @@ wheel_of() {  # wheel_of MODULE: the one wheel of MODULE in dist/
   echo "$ROOT/${found[0]}"
 }
 wrappers_wheel=$(wheel_of comm_wrappers)
-wheel_of comm_core >/dev/null
-wheel_of comm_collectives >/dev/null
+core_wheel=$(wheel_of comm_core)
+collectives_wheel=$(wheel_of comm_collectives)
 
 # pip is not installed into the environments (saves ~5 s each): this Python's pip installs
 # into them with --python. Installs skip byte-compiling (torch has thousands of modules,
@@ -82,6 +86,44 @@ smoke() {
     timeout 300 "$venv/bin/python" "$ROOT/scripts/smoke_wrappers.py" --timeout 240 "$@"
 }
 
+# check_layer_report REPORT NAMES...: exactly these comm packages, from dist/; torch untouched.
+check_layer_report() {
+  "$PYTHON" - "$ROOT/dist" "$@" <<'EOF'
+import json, sys
+from pathlib import Path
+
+dist, report, expected = Path(sys.argv[1]).as_uri(), sys.argv[2], sys.argv[3:]
+installed = {i["metadata"]["name"]: i["download_info"]["url"] for i in json.load(open(report))["install"]}
+comm = sorted(name for name in installed if name.startswith("comm-"))
+bad = [f"{name} from {url}" for name, url in installed.items() if name.startswith("comm-") and not url.startswith(dist + "/")]
+if "torch" in installed:
+    bad.append(f"torch installed again from {installed['torch']}")
+if bad or comm != sorted(expected):
+    sys.exit(f"FAIL: install report: {'; '.join(bad)}; comm packages {comm}, expected {expected}")
+print(f"ok: {', '.join(comm)} installed alone from dist/")
+EOF
+}
+
+check_layer() {  # check_layer core|collectives
+  local layer="$1" t0 venv
+  t0=$(date +%s)
+  venv=$(new_venv "$layer")
+  if [ "$layer" = core ]; then
+    pip_into "$venv" "torch==$TORCH_VERSION" "numpy==$NUMPY_FLOOR"
+    pip_into "$venv" --find-links "$ROOT/dist" --report "$base/$layer-report.json" "$core_wheel"
+    check_layer_report "$base/$layer-report.json" comm-core
+  else
+    pip_into "$venv" "torch==$TORCH_VERSION" "numpy==$NUMPY_FLOOR"
+    pip_into "$venv" --find-links "$ROOT/dist" --report "$base/$layer-report.json" \
+      "$collectives_wheel"
+    check_layer_report "$base/$layer-report.json" comm-core comm-collectives
+  fi
+  timeout 120 "$PYTHON" -m pip --python "$venv/bin/python" check
+  env -u PYTHONDONTWRITEBYTECODE PATH="$venv/bin:$PATH" \
+    timeout 240 "$venv/bin/python" "$ROOT/scripts/smoke_layers.py" "$layer" --timeout 180
+  log "comm-$layer alone: installed and checked in $(( $(date +%s) - t0 )) s"
+}
+
 check_plain() {
   local t0 venv
   t0=$(date +%s)
@@ -122,6 +164,10 @@ check_deepspeed() {
   TORCH_EXTENSIONS_DIR="$extensions/$key" smoke "$venv" --deepspeed
   log "comm-wrappers[deepspeed]: installed and checked in $(( $(date +%s) - t0 )) s"
 }
+
+log "install checks: comm-core alone, then comm-collectives alone, in clean environments"
+check_layer core
+check_layer collectives
 
 # Both at once (~30 % less time on two cores): the plain check prints as it goes, the
 # DeepSpeed check's output follows when both are done. (Background jobs, not `|| status=$?`,

@@ -31,3 +31,13 @@ def sleep_on_rank_zero(seconds: float) -> int:
 
 def custom_check() -> list[CheckResult]:
     return [CheckResult("custom", True, f"rank {dist.get_rank()} says hello")]
+
+
+def fails_on_rank_zero_before_its_collective() -> list[CheckResult]:
+    """A plugin check that raises on rank 0 while the other ranks enter its all_reduce."""
+    if dist.get_rank() == 0:
+        message = "deliberate failure before the collective"
+        raise RuntimeError(message)
+    total = torch.ones(1)
+    torch_dist.all_reduce(total)  # waits for rank 0, which never comes
+    return [CheckResult("never", True, "")]

@@ -61,3 +61,43 @@ def test_a_failing_plugin_check_is_reported_not_raised() -> None:
     failed = [c for c in report.checks if not c.ok]
     assert [c.name for c in failed] == ["tests.core.kit_helpers:rank_times_ten"]
     assert "TypeError" in failed[0].detail
+
+
+def test_a_plugin_failing_on_one_rank_is_reported_by_every_rank_not_hung(tmp_path: Path) -> None:
+    out = tmp_path / "doctor.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "comm_core.doctor", "--nproc", "2", "--timeout", "60",
+            "--check", "tests.core.missing_on_rank_one:check",
+            "--check", "tests.core.kit_helpers:fails_on_rank_zero_before_its_collective",
+            "--check", "tests.core.kit_helpers:custom_check",
+            "--json", str(out),
+        ],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # failed checks, not a hang
+    reports = json.loads(out.read_text())
+    assert [r["rank"] for r in reports] == [0, 1]
+    for rank, report in enumerate(reports):
+        checks = {c["name"]: c for c in report["checks"]}
+        assert checks["barrier"]["ok"]
+        assert checks["all_reduce"]["ok"]
+        missing = checks["tests.core.missing_on_rank_one:check"]
+        assert not missing["ok"]
+        assert missing["detail"].startswith("not loaded on rank(s) 1: ModuleNotFoundError")
+        failing = checks["tests.core.kit_helpers:fails_on_rank_zero_before_its_collective"]
+        assert not failing["ok"]
+        if rank == 0:
+            assert failing["detail"] == "RuntimeError: deliberate failure before the collective"
+        else:
+            assert failing["detail"] == (
+                "abandoned: failed on rank(s) 0 while this rank was in its collectives"
+            )
+        assert checks["tests.core.kit_helpers:custom_check"] == {
+            "name": "tests.core.kit_helpers:custom_check",
+            "ok": False,
+            "detail": "skipped: tests.core.kit_helpers:fails_on_rank_zero_before_its_collective"
+            " failed",
+        }
+    assert "2 rank(s), 6 failed check(s)" in proc.stdout

@@ -83,3 +83,15 @@ def test_world_of_one_under_pytorch_env_then_init_twice(
         os.environ.pop("LOCAL_RANK", None)
         os.environ.pop("LOCAL_WORLD_SIZE", None)
     assert dist.get_local_group() is None
+
+
+def test_cuda_device_of_a_local_rank() -> None:
+    from comm_core.process_group import _cuda_index
+
+    assert _cuda_index(3, 1) == 0  # one GPU per task (CUDA_VISIBLE_DEVICES)
+    assert _cuda_index(3, 0) == 0
+    assert _cuda_index(1, 4) == 1
+    with pytest.raises(
+        LauncherError, match="local rank 4 needs a GPU of its own, but this process sees 4 GPUs"
+    ):
+        _cuda_index(4, 4)  # was 4 % 4 = 0: two ranks on GPU 0

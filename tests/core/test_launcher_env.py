@@ -242,3 +242,18 @@ def test_malformed_pytorch_environment(change: dict[str, str], fragment: str) ->
 def test_unknown_launcher_lists_the_known_ones() -> None:
     with pytest.raises(LauncherError, match="expected one of pytorch, slurm, mpi"):
         read_launch_env("pbs", environ={})
+
+
+def test_slurm_step_nodelist_and_step_id_pick_master_and_port() -> None:
+    env = {
+        "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+        "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_ID": "123456",
+        "SLURM_NODELIST": "node[01-04]", "SLURM_STEP_NODELIST": "node[03-04]",
+    }  # fmt: skip
+    first = read_launch_env("slurm", environ=env)
+    assert first.master_addr == "node03"  # the step runs on nodes 3 and 4, not on node01
+    assert first.master_port == 15000 + 123456 % 15000
+    second = read_launch_env("slurm", environ={**env, "SLURM_STEP_ID": "1"})
+    assert second.master_port == 15000 + (123456 + 7919) % 15000 != first.master_port
+    batch = read_launch_env("slurm", environ={**env, "SLURM_STEP_ID": "4294967294"})
+    assert batch.master_port == first.master_port  # the batch step's id is not a step number

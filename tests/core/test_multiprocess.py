@@ -36,8 +36,8 @@ def _queries() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_queries_on_every_rank(run_distributed: Any, world: int) -> None:
-    results = run_distributed(_queries, world_size=world)
+def test_queries_on_every_rank(comm_run_distributed: Any, world: int) -> None:
+    results = comm_run_distributed(_queries, world_size=world)
     for rank, r in enumerate(results):
         assert r["info"] == (rank, world)
         assert r["backend"] == "gloo"
@@ -55,12 +55,15 @@ def _group_queries() -> tuple[int, int, int]:
     result = (-1, -1, -1)
     if rank in (0, 1):
         result = (dist.get_rank(pair), dist.get_world_size(pair), int(dist.is_main_process(pair)))
+        # Both members finish gloo's connection set-up before either closes it: a member that
+        # destroys the group at once can close a pair its peer is still connecting.
+        torch_dist.barrier(group=pair)
     torch_dist.destroy_process_group(pair)
     return result
 
 
-def test_queries_with_an_explicit_group(run_distributed: Any) -> None:
-    results = run_distributed(_group_queries, world_size=3)
+def test_queries_with_an_explicit_group(comm_run_distributed: Any) -> None:
+    results = comm_run_distributed(_group_queries, world_size=3)
     assert results == [(0, 2, 1), (1, 2, 0), (-1, -1, -1)]
 
 
@@ -87,10 +90,10 @@ def _uneven_nodes() -> dict[str, Any]:
 
 
 def test_init_local_group_uneven_nodes_every_rank_creates_every_group(
-    run_distributed: Any,
+    comm_run_distributed: Any,
 ) -> None:
     # Regression: MMEngine creates only the caller's group, which breaks on several nodes.
-    results = run_distributed(_uneven_nodes, world_size=3)
+    results = comm_run_distributed(_uneven_nodes, world_size=3)
     assert [r["local"] for r in results] == [(0, 2), (1, 2), (0, 1)]
     assert [r["sum"] for r in results] == [3.0, 3.0, 3.0]  # 1+2 on node 0, 3 on node 1
 
@@ -107,8 +110,8 @@ def _mmengine_style_blocks() -> tuple[int, int, str]:
     return (*local, message)
 
 
-def test_init_local_group_with_mmengine_arguments(run_distributed: Any) -> None:
-    results = run_distributed(_mmengine_style_blocks, world_size=3)
+def test_init_local_group_with_mmengine_arguments(comm_run_distributed: Any) -> None:
+    results = comm_run_distributed(_mmengine_style_blocks, world_size=3)
     for rank, (local_rank, local_size, message) in enumerate(results):
         assert (local_rank, local_size) == (0, 1)
         assert f"num_gpus_per_node=2 does not divide the world size 3 (rank {rank})" in message

@@ -108,8 +108,31 @@ def test_cast_data_device_into_out() -> None:
     src = {"a": torch.tensor([1.0, 2.0]), "b": [torch.tensor([3])]}
     out = {"a": torch.zeros(2), "b": [torch.zeros(1, dtype=torch.long)]}
     result = cast_data_device(src, "cpu", out=out)
-    assert result is out
+    # as MMEngine: the moved data comes back, and out holds a copy of it
+    assert result is not out
+    assert result["a"].tolist() == [1.0, 2.0]
+    assert result["b"][0].tolist() == [3]
     assert out["a"].tolist() == [1.0, 2.0]
     assert out["b"][0].tolist() == [3]
+    # the device is honoured with out as well (it was ignored)
+    on_meta = cast_data_device(
+        src,
+        "meta",
+        out={
+            "a": torch.empty(2, device="meta"),
+            "b": [torch.empty(1, dtype=torch.long, device="meta")],
+        },
+    )
+    assert on_meta["a"].device == torch.device("meta")
     with pytest.raises(TypeError, match="keys of data"):
         cast_data_device(src, "cpu", out={"a": torch.zeros(2)})
+
+
+def test_cast_data_device_keeps_a_defaultdict_and_its_factory() -> None:
+    data: collections.defaultdict[str, list[torch.Tensor]] = collections.defaultdict(list)
+    data["x"].append(torch.ones(1))
+    moved = cast_data_device(data, "meta")
+    assert type(moved) is collections.defaultdict
+    assert moved.default_factory is list
+    assert moved["x"][0].device == torch.device("meta")
+    assert moved["missing"] == []

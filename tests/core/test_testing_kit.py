@@ -59,5 +59,5 @@ def test_world_size_must_be_positive() -> None:
         WorldPool(0)
 
 
-def test_run_distributed_fixture(run_distributed: object) -> None:
-    assert run_distributed(kit_helpers.rank_times_ten, world_size=2) == [0, 10]  # type: ignore[operator]
+def test_run_distributed_fixture(comm_run_distributed: object) -> None:
+    assert comm_run_distributed(kit_helpers.rank_times_ten, world_size=2) == [0, 10]  # type: ignore[operator]

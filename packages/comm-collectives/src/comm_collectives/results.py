@@ -2,11 +2,13 @@
 
 With a ``DistributedSampler`` rank ``r`` of ``W`` holds items ``r, r + W, r + 2W, ...``.
 Rank 0 receives the parts one rank at a time, interleaves them, keeps ``None`` results, and
-truncates the padding the sampler added. Each part is streamed (``comm_collectives.stream``):
-its sender pickles it chunk by chunk while rank 0 unpickles the chunks already there, so
-rank 0 holds its results plus a few chunks in transit. No shared filesystem is needed; with
-an explicit ``tmpdir`` the parts go through that folder instead, written atomically, and
-only what this call created is removed.
+truncates the padding the sampler added. A large part is streamed (``_stream``): its
+sender pickles it chunk by chunk while rank 0 unpickles the chunks already there, so rank 0
+holds the parts it rebuilt, the one it is rebuilding and a few chunks in transit. No shared
+filesystem is needed. With an explicit ``tmpdir`` the parts of the other ranks go through
+that folder instead, written atomically and private (0600); rank 0 checks that it sees
+every part (a folder that is not shared across nodes is an error on every rank), and only
+what this call created is removed.
 
 Every call ends with rank 0's verdict (one small broadcast): when a sender failed to pickle
 the rest of its part, or rank 0 failed to unpickle one, every rank raises the same
@@ -24,28 +26,31 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from comm_core import get_backend, get_comm_device, get_rank, get_world_size
+from comm_core import get_comm_device, get_cpu_group, get_rank, get_world_size
 
-from .protocol import Header, Inline, Peer, handshake, inline_capacity, raise_everywhere
+from ._stream import POST_AHEAD_BYTES, PartReader, PartWriter, PeerFailedError
+from .protocol import (
+    Header,
+    Inline,
+    Peer,
+    handshake,
+    inline_capacity,
+    raise_everywhere,
+    signature_of,
+)
 from .serialization import decode, dump, encode
-from .stream import PartReader, PartWriter, PeerFailedError
 from .tensors import global_rank
 
 __all__ = ["collect_results", "collect_results_cpu", "collect_results_gpu"]
 
 _DEVICES = ("cpu", "gpu")
-_cpu_groups: dict[object, torch_dist.ProcessGroup] = {}
+_PART_PREFIX = "comm-part-"
 
 
-def _cpu_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup | None:
-    """A gloo group over the ranks of ``group`` (``group`` itself when it is gloo already)."""
-    if get_backend(group) == "gloo":
-        return group
-    key = group if group is not None else "default"
-    if key not in _cpu_groups:
-        ranks = None if group is None else torch_dist.get_process_group_ranks(group)
-        _cpu_groups[key] = torch_dist.new_group(ranks=ranks, backend="gloo")
-    return _cpu_groups[key]
+def _mode(device: str, tmpdir: str | None) -> int:
+    """The path a call takes, in every header: ranks on different paths get a clear error."""
+    path = "folder" if device == "cpu" and tmpdir is not None else f"messages/{device}"
+    return signature_of(["collect_results", path])
 
 
 _MISSING = object()
@@ -97,15 +102,20 @@ def collect_results(
         size: Length of the dataset; the padding a sampler adds is cut off.
         device: ``"cpu"`` sends the parts over a CPU (gloo) group, or through ``tmpdir``;
             ``"gpu"`` sends them over the group's own backend on its device.
-        tmpdir: Folder for the parts in cpu mode; it must be shared by all ranks. Created
-            (private) if missing and then removed; a folder that existed is left in place.
+        tmpdir: Folder for the parts in cpu mode; it must be shared by all ranks (on every
+            node) and writable by this user only: rank 0 unpickles what it finds there.
+            Created (0700) by rank 0 if missing and then removed; a folder that existed is
+            left in place. None: the parts travel as messages, no shared folder needed.
         group: Process group; the default group when None.
 
     Returns:
         On rank 0 the ``size`` results in order; None on the other ranks.
 
     Raises:
-        RemoteRankError: A rank could not pickle or write its part (raised on every rank).
+        RemoteRankError: A rank could not pickle or write its part, or rank 0 could not
+            read one (for instance ``tmpdir`` is not shared by the nodes); raised on every
+            rank.
+        CollectiveMismatchError: The ranks passed different ``device`` or ``tmpdir`` modes.
 
     Examples:
         >>> collect_results([0, None, 2], size=2)  # a world of one
@@ -116,7 +126,10 @@ def collect_results(
         return results[:size]
     if device == "cpu" and tmpdir is not None:
         return _collect_through_folder(results, size, tmpdir, group)
-    return _collect_by_messages(results, size, _cpu_group(group) if device == "cpu" else group)
+    mode = _mode(device, tmpdir)
+    if device == "cpu":
+        return _collect_by_messages(results, size, get_cpu_group(group), torch.device("cpu"), mode)
+    return _collect_by_messages(results, size, group, get_comm_device(group), mode)
 
 
 def collect_results_cpu(
@@ -132,13 +145,17 @@ def collect_results_gpu(result_part: list[Any], size: int) -> list[Any] | None:
 
 
 def _collect_by_messages(
-    results: list[Any], size: int, group: torch_dist.ProcessGroup | None
+    results: list[Any],
+    size: int,
+    group: torch_dist.ProcessGroup | None,
+    device: torch.device,
+    mode: int,
 ) -> list[Any] | None:
-    device = get_comm_device(group)
     if get_rank(group) != 0:
-        _send_part(results, group, device)
+        _send_part(results, group, device, mode)
         return None
-    peers = handshake(Header("collect_results"), group)  # raises if a rank failed early
+    # raises if a rank failed early or takes another path
+    peers = handshake(Header("collect_results", signature=mode), group, same=_SAME, hint=_HINT)
     readers = [
         PartReader(_head_of(peer), peer.count, global_rank(group, peer.rank), group, device)
         for peer in peers[1:]
@@ -147,9 +164,11 @@ def _collect_by_messages(
     error: BaseException | None = None
     failed = False
     for index, reader in enumerate(readers):
-        # the receives of this part and of the next are posted before unpickling starts
-        for ahead in readers[index : index + 2]:
-            ahead.post()
+        # the receives of this part, and of the next unless it is one large message, are
+        # posted before unpickling starts (a receive posted late costs milliseconds on gloo)
+        reader.post()
+        if index + 1 < len(readers) and readers[index + 1].count <= POST_AHEAD_BYTES:
+            readers[index + 1].post()
         if not failed:
             try:
                 parts.append(reader.load())
@@ -164,6 +183,13 @@ def _collect_by_messages(
     return _interleave(parts, size)
 
 
+_SAME = ("signature",)
+_HINT = (
+    "every rank must call collect_results with the same device, and either every rank or "
+    "no rank with a tmpdir."
+)
+
+
 def _head_of(peer: Peer) -> bytes:
     if peer.payload is None:  # the sender's head always fits: capacities are equal
         message = f"collect_results: rank {peer.rank}'s first bytes did not come inline"
@@ -172,11 +198,12 @@ def _head_of(peer: Peer) -> bytes:
 
 
 def _send_part(
-    results: list[Any], group: torch_dist.ProcessGroup | None, device: torch.device
+    results: list[Any], group: torch_dist.ProcessGroup | None, device: torch.device, mode: int
 ) -> None:
     def announce(head: bytearray, count: int) -> None:
         inline = Inline.of_tensor(torch.from_numpy(np.frombuffer(head, dtype=np.uint8)))
-        handshake(Header("collect_results", count=count), group, payload=inline)
+        header = Header("collect_results", count=count, signature=mode)
+        handshake(header, group, same=_SAME, hint=_HINT, payload=inline)
 
     writer = PartWriter(announce, inline_capacity(group), global_rank(group, 0), group, device)
     error: BaseException | None = None
@@ -184,7 +211,7 @@ def _send_part(
         writer.finish(dump(results, writer))
     except Exception as exc:
         if writer.stage == "pickling":  # nothing sent yet: the handshake reports it
-            handshake(Header("collect_results", error=exc), group)
+            handshake(Header("collect_results", error=exc, signature=mode), group)
         if writer.stage != "streaming":  # the handshake or the transport failed
             raise
         writer.fail()
@@ -212,54 +239,113 @@ def _collect_through_folder(
     results: list[Any], size: int, tmpdir: str, group: torch_dist.ProcessGroup | None
 ) -> list[Any] | None:
     me = get_rank(group)
-    # 1. rank 0 alone creates a missing folder, so it alone knows whether to remove it
+    mode = _mode("cpu", tmpdir)
+    cpu_group = get_cpu_group(group)
+    device = torch.device("cpu")
+    # 1. rank 0 alone creates a missing folder, so it alone knows whether to remove it; a
+    #    rank that does not see the folder then is on a node that does not share it
     created = False
     error: BaseException | None = None
-    if me == 0 and not os.path.isdir(tmpdir):
+    if me == 0:
         try:
             os.makedirs(tmpdir, mode=0o700)
             created = True
+        except FileExistsError:  # there already (exist_ok would not tell who created it)
+            if not os.path.isdir(tmpdir):
+                error = NotADirectoryError(f"collect_results: tmpdir {tmpdir!r} is a file.")
         except Exception as exc:
             error = exc
-    handshake(Header("collect_results", error=error, root=0), group)
-    # 2. every rank writes its part atomically: readers never see a half-written file
+    header = Header("collect_results", error=error, root=0, signature=mode)
+    handshake(header, cpu_group, same=_SAME, hint=_HINT)
+    # 2. every other rank writes its part, atomically and private: rank 0 never sees a
+    #    half-written file, and no other user can read or swap a part
     path = ""
+    if me != 0:
+        try:
+            if not os.path.isdir(tmpdir):
+                raise _not_shared(tmpdir, [me], created_by_rank_0=None)
+            path = os.path.join(tmpdir, f"{_PART_PREFIX}{me}-{uuid.uuid4().hex}.bin")
+            _write_private(path, results)
+        except Exception as exc:
+            error = exc
     try:
-        encoded = encode(results)
-        path = os.path.join(tmpdir, f"comm-part-{me}-{uuid.uuid4().hex}.bin")
-        frame = np.empty(encoded.nbytes, dtype=np.uint8)
-        encoded.write_into(frame)
-        frame.tofile(path + ".partial")
-        os.replace(path + ".partial", path)
-    except Exception as exc:
-        error = exc
-    try:
-        handshake(Header("collect_results", error=error, root=0), group)
+        handshake(Header("collect_results", error=error, root=0, signature=mode), cpu_group)
     except BaseException:
-        for leftover in (path, path + ".partial"):
-            if leftover and os.path.exists(leftover):
-                os.remove(leftover)
+        _remove(path)
         if created:
             _remove_if_empty(tmpdir)
         raise
-    # 3. rank 0 reads the parts in rank order, removing each file it has read
-    names = _exchange_names(path, group)
+    # 3. rank 0 reads the parts in rank order from its own view of the folder (a shared
+    #    folder may be mounted elsewhere on another node), removing each file it has read
+    names = _exchange_names(os.path.basename(path), cpu_group)
     if me != 0:
-        _verdict(False, None, group, get_comm_device(group))
+        try:
+            _verdict(False, None, cpu_group, device)
+        finally:
+            _remove(path)  # still there only when rank 0 could not see it
         return None
     parts: list[list[Any]] = [results]
-    for name in names[1:]:
+    paths = [os.path.join(tmpdir, name) for name in names[1:]]
+    unseen = [rank for rank, p in enumerate(paths, start=1) if not os.path.exists(p)]
+    if unseen:
+        error = _not_shared(tmpdir, unseen, created_by_rank_0=created)
+    for part_path in paths:
         if error is None:  # after a failure the other parts are still removed
             try:
-                parts.append(decode(np.fromfile(name, dtype=np.uint8)))
+                parts.append(decode(np.fromfile(part_path, dtype=np.uint8)))
             except Exception as exc:
                 error = exc
-        os.remove(name)
-    os.remove(path)
+        _remove(part_path)
     if created:
         _remove_if_empty(tmpdir)
-    _verdict(error is not None, error, group, get_comm_device(group))
+    _verdict(error is not None, error, cpu_group, device)
     return _interleave(parts, size)
+
+
+class FolderNotSharedError(RuntimeError):
+    """collect_results: a rank does not see the folder or files another rank wrote."""
+
+
+def _not_shared(tmpdir: str, ranks: list[int], created_by_rank_0: bool | None) -> Exception:
+    if created_by_rank_0 is None:  # raised on a rank that does not see the folder at all
+        seen = f"rank {ranks[0]} does not see the folder, which rank 0 has"
+    else:
+        listed = ", ".join(map(str, ranks))
+        seen = f"rank 0 does not see the part file(s) of rank(s) {listed} in it"
+    message = (
+        f"collect_results: tmpdir {tmpdir!r} is not a folder shared by the ranks: {seen}. "
+        "In cpu mode a tmpdir must be on a filesystem every node mounts (at the same path). "
+        "Pass a shared folder, or tmpdir=None to send the parts as messages, which needs "
+        "no shared filesystem."
+    )
+    return FolderNotSharedError(message)
+
+
+def _write_private(path: str, results: list[Any]) -> None:
+    """Write the frame of ``results`` to ``path`` (mode 0600), through a temporary name."""
+    encoded = encode(results)
+    frame = np.empty(encoded.nbytes, dtype=np.uint8)
+    encoded.write_into(frame)
+    partial = path + ".partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(frame.data)
+        os.replace(partial, path)
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+def _remove(path: str) -> None:
+    """Remove a part file and its temporary name, if they are there."""
+    if not path:
+        return
+    for name in (path, path + ".partial"):
+        try:
+            os.remove(name)
+        except OSError:  # gone already, or not ours to remove: never a reason to stop here
+            pass
 
 
 def _remove_if_empty(folder: str) -> None:
@@ -269,7 +355,7 @@ def _remove_if_empty(folder: str) -> None:
         pass
 
 
-def _exchange_names(path: str, group: torch_dist.ProcessGroup | None) -> list[str]:
+def _exchange_names(name: str, group: torch_dist.ProcessGroup | None) -> list[str]:
     names: list[Any] = [None] * get_world_size(group)
-    torch_dist.all_gather_object(names, path, group=_cpu_group(group))
+    torch_dist.all_gather_object(names, name, group=group)
     return [str(n) for n in names]

@@ -20,7 +20,13 @@ from .errors import (
     RemoteRankError,
 )
 from .launcher import LAUNCHERS, infer_launcher, parse_slurm_nodelist, slurm_job_port
-from .process_group import default_backend, destroy_dist, init_dist, init_local_group
+from .process_group import (
+    default_backend,
+    destroy_dist,
+    get_cpu_group,
+    init_dist,
+    init_local_group,
+)
 from .queries import (
     barrier,
     get_backend,
@@ -54,6 +60,7 @@ __all__ = [
     "destroy_dist",
     "get_backend",
     "get_comm_device",
+    "get_cpu_group",
     "get_data_device",
     "get_default_group",
     "get_device",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -136,8 +137,8 @@ def cast_data_device(data: T, device: torch.device | str, out: Any = None) -> T:
     """Move a tensor, or every tensor inside a nested structure, to ``device``.
 
     Container types are kept (named tuples included); values that are not tensors are
-    returned unchanged. With ``out``, the tensors are copied into the matching tensors of
-    ``out`` (which must have the same structure) and ``out`` is returned.
+    returned unchanged. With ``out``, the moved tensors are also copied into the matching
+    tensors of ``out`` (which must have the same structure), as MMEngine does.
 
     Args:
         data: A tensor, or a mapping / sequence holding tensors.
@@ -145,7 +146,7 @@ def cast_data_device(data: T, device: torch.device | str, out: Any = None) -> T:
         out: Optional structure of tensors to copy into.
 
     Returns:
-        The moved data, or ``out`` filled with it.
+        The moved data.
 
     Raises:
         TypeError: ``out`` does not have the structure of ``data``.
@@ -155,15 +156,17 @@ def cast_data_device(data: T, device: torch.device | str, out: Any = None) -> T:
         {'x': tensor([1.])}
     """
     target = torch.device(device)
+    moved = _cast(data, target)
     if out is not None:
-        _copy_into(data, out, "data")
-        return out  # type: ignore[no-any-return]
-    return _cast(data, target)  # type: ignore[no-any-return]
+        _copy_into(moved, out, "data")
+    return moved  # type: ignore[no-any-return]
 
 
 def _cast(data: Any, device: torch.device) -> Any:
     if isinstance(data, torch.Tensor):
         return data.to(device)
+    if isinstance(data, defaultdict):  # its constructor takes the factory first
+        return defaultdict(data.default_factory, {k: _cast(v, device) for k, v in data.items()})
     if isinstance(data, Mapping):
         return type(data)({k: _cast(v, device) for k, v in data.items()})  # type: ignore[call-arg]
     if isinstance(data, tuple) and hasattr(data, "_fields"):

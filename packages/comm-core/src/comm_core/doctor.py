@@ -8,6 +8,16 @@ Upper layers add checks without comm-core importing them: a package declares an 
 point in the group ``comm.doctor`` whose object is a callable taking no arguments and
 returning an iterable of ``CheckResult``. It runs on every rank, inside the process
 group, after the built-in checks.
+
+A plugin check that fails on some ranks only must not leave the others waiting in its
+collectives, so the plugins run in two steps. First every rank loads every check any rank
+knows and the ranks compare: a check that some rank cannot load (a package missing on one
+node) is reported as failed on every rank and run on none. Then each check runs in a
+worker thread while the main thread watches the rendezvous store: a rank whose check
+raised says so there, and a rank still inside that check's collective a few seconds later
+gives it up. After such a failure the ranks skip the remaining plugin checks and exchange
+their reports through the store, since the process group may still hold the abandoned
+collective.
 """
 
 from __future__ import annotations
@@ -16,8 +26,11 @@ import argparse
 import importlib
 import importlib.metadata
 import json
+import os
+import pickle
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,6 +53,11 @@ from .queries import (
 )
 
 __all__ = ["ENTRY_POINT_GROUP", "CheckResult", "DoctorCheck", "RankReport", "main", "run_checks"]
+
+_POLL_S = 0.05
+_ABANDON_AFTER_S = 3.0  # a rank still in a check this long after another rank failed it
+_PREFIX = "comm-doctor"
+_calls = [0]  # run_checks calls in this process: store keys of one call never meet another's
 
 ENTRY_POINT_GROUP = "comm.doctor"
 """Entry-point group through which packages add doctor checks."""
@@ -77,6 +95,7 @@ class RankReport:
     host: str
     device: str
     checks: list[CheckResult] = field(default_factory=list)
+    broken: bool = False
 
     def row(self) -> dict[str, object]:
         """Return the report as one table row."""
@@ -152,7 +171,9 @@ def run_checks(extra: Sequence[str] = (), launcher: str | None = None) -> RankRe
         launcher: The launcher to report; inferred from the environment when None.
 
     Returns:
-        This rank's ``RankReport``.
+        This rank's ``RankReport``. ``RankReport.broken`` is True when a plugin check
+        failed on some rank in a way that may leave a collective behind: the reports must
+        then be exchanged through the store (``_gather_reports`` does).
     """
     report = RankReport(
         launcher=launcher or infer_launcher(),
@@ -164,22 +185,120 @@ def run_checks(extra: Sequence[str] = (), launcher: str | None = None) -> RankRe
         host=socket.gethostname(),
         device=f"{get_device()} / comm {get_comm_device()}",
     )
+    _calls[0] += 1
     report.checks.append(_check_barrier())
     report.checks.append(_check_all_reduce())
-    for name, spec in _check_specs(extra):
-        try:
-            report.checks.extend(_load(spec)())
-        except Exception as exc:
-            report.checks.append(CheckResult(name, False, f"{type(exc).__name__}: {exc}"))
+    plugins = _load_everywhere(_check_specs(extra))
+    for index, (name, check, failure) in enumerate(plugins):
+        if failure is not None:
+            report.checks.append(CheckResult(name, False, failure))
+            continue
+        assert check is not None
+        results, broken = _run_guarded(index, name, check)
+        report.checks.extend(results)
+        if broken:
+            report.broken = True
+            for later, _, _ in plugins[index + 1 :]:
+                report.checks.append(CheckResult(later, False, f"skipped: {name} failed"))
+            break
     return report
+
+
+def _load_everywhere(
+    specs: list[tuple[str, str]],
+) -> list[tuple[str, DoctorCheck | None, str | None]]:
+    """Load every check any rank knows; a check some rank cannot load runs on none.
+
+    Returns (name, check, failure) per check, in the same order on every rank; ``failure``
+    says which ranks could not load it, and why.
+    """
+    if is_distributed():
+        everyone: list[Any] = [None] * get_world_size()
+        torch_dist.all_gather_object(everyone, specs)
+        specs = list(dict.fromkeys(spec for rank_specs in everyone for spec in rank_specs))
+    loaded: list[DoctorCheck | None] = []
+    errors: list[str | None] = []
+    for _, spec in specs:
+        try:
+            loaded.append(_load(spec))
+            errors.append(None)
+        except Exception as exc:
+            loaded.append(None)
+            errors.append(f"{type(exc).__name__}: {exc}")
+    table: list[Any] = [errors]
+    if is_distributed():
+        table = [None] * get_world_size()
+        torch_dist.all_gather_object(table, errors)
+    out: list[tuple[str, DoctorCheck | None, str | None]] = []
+    for index, (name, _) in enumerate(specs):
+        bad = [(rank, row[index]) for rank, row in enumerate(table) if row[index] is not None]
+        if not bad:
+            out.append((name, loaded[index], None))
+            continue
+        ranks = ", ".join(str(rank) for rank, _ in bad)
+        out.append((name, None, f"not loaded on rank(s) {ranks}: {bad[0][1]}"))
+    return out
+
+
+def _call(name: str, check: DoctorCheck) -> list[CheckResult]:
+    try:
+        results = list(check())
+        if not all(isinstance(r, CheckResult) for r in results):
+            message = f"{name} must return CheckResult objects, got {results!r}"
+            raise TypeError(message)
+        return results
+    except Exception as exc:
+        return [CheckResult(name, False, f"{type(exc).__name__}: {exc}")]
+
+
+def _run_guarded(index: int, name: str, check: DoctorCheck) -> tuple[list[CheckResult], bool]:
+    """Run one plugin check; return its results and whether the ranks must stop here."""
+    if not is_distributed():
+        return _call(name, check), False
+    store = torch_dist.distributed_c10d._get_default_store()
+    rank, world = get_rank(), get_world_size()
+    outcome: list[list[CheckResult]] = []
+    worker = threading.Thread(target=lambda: outcome.append(_call(name, check)), daemon=True)
+    worker.start()
+    keys = [f"{_PREFIX}/{_calls[0]}/{index}/{r}" for r in range(world)]
+    said = False
+    failed_at: float | None = None
+    while True:
+        if not said and not worker.is_alive():
+            store.set(keys[rank], "ok" if all(r.ok for r in outcome[0]) else "failed")
+            said = True
+        states = {r: store.get(key).decode() for r, key in enumerate(keys) if store.check([key])}
+        failed = sorted(r for r, state in states.items() if state == "failed")
+        if said and len(states) == world and not failed:
+            return outcome[0], False
+        if failed:
+            failed_at = failed_at if failed_at is not None else time.monotonic()
+            if said or time.monotonic() - failed_at > _ABANDON_AFTER_S:
+                break
+        time.sleep(_POLL_S)
+    if said:
+        return outcome[0], True
+    ranks = ", ".join(map(str, failed))
+    detail = f"abandoned: failed on rank(s) {ranks} while this rank was in its collectives"
+    return [CheckResult(name, False, detail)], True
 
 
 def _gather_reports(report: RankReport) -> list[RankReport]:
     if not is_distributed():
         return [report]
-    reports: list[Any] = [None] * get_world_size()
-    torch_dist.all_gather_object(reports, report)
-    return reports
+    if not report.broken:
+        # every rank ran every check to the end: the group is clean
+        reports: list[Any] = [None] * get_world_size()
+        torch_dist.all_gather_object(reports, report)
+        return reports
+    store = torch_dist.distributed_c10d._get_default_store()
+    prefix = f"{_PREFIX}/{_calls[0]}/report"
+    store.set(f"{prefix}/{report.rank}", pickle.dumps(report))  # type: ignore[arg-type]
+    if report.rank != 0:
+        return [report]
+    keys = [f"{prefix}/{r}" for r in range(get_world_size())]
+    store.wait(keys)
+    return [pickle.loads(store.get(key)) for key in keys]
 
 
 def _rank_main(extra: Sequence[str], launcher: str) -> list[RankReport]:
@@ -220,10 +339,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--nproc spawns ranks itself, but launcher {launcher!r} already did")
         init_dist(launcher, args.backend, timeout=args.timeout)
         try:
-            reports = _gather_reports(run_checks(args.check, launcher))
+            report = run_checks(args.check, launcher)
+            reports = _gather_reports(report)
             status = _print(reports, args.json_path) if get_rank() == 0 else 0
-        finally:
+        except BaseException:
             destroy_dist()
+            raise
+        if report.broken:
+            # a plugin's collective may still be pending in the group: destroying it could
+            # wait for that collective, so leave without a teardown
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        destroy_dist()
         return status
     if args.nproc > 0:
         from comm_core import doctor  # by name: as ``python -m``, this module is __main__

@@ -33,6 +33,7 @@ DEFAULT_PORT = 29500
 # Ports derived from a Slurm job id stay below Linux's ephemeral range (32768+).
 _SLURM_PORT_BASE = 15000
 _SLURM_PORT_SPAN = 15000
+_STEP_STRIDE = 7919  # a prime: the ports of consecutive steps land far apart
 
 # (rank, size, local rank, local size) variables of the MPI implementations. None gives a
 # node index (Open MPI's OMPI_COMM_WORLD_NODE_RANK is a per-process rank), so MPI ranks are
@@ -214,22 +215,27 @@ def _bad_nodelist(nodelist: str, problem: str) -> LauncherError:
     return LauncherError(message)
 
 
-def slurm_job_port(job_id: str | int) -> int:
+def slurm_job_port(job_id: str | int, step_id: int = 0) -> int:
     """Derive a rendezvous port from a Slurm job id, so two jobs on one node differ.
 
-    The port lies in 15000-29999, below Linux's ephemeral port range.
+    The port lies in 15000-29999, below Linux's ephemeral port range. The step id (from
+    ``SLURM_STEP_ID``) separates concurrent steps of one job on one node.
 
     Args:
         job_id: ``SLURM_JOB_ID``.
+        step_id: ``SLURM_STEP_ID``; 0 for the first step.
 
     Returns:
-        ``15000 + job_id % 15000``.
+        ``15000 + (job_id + 7919 * step_id) % 15000``.
 
     Examples:
         >>> slurm_job_port(123456)
         18456
+        >>> slurm_job_port(123456, step_id=1)
+        26375
     """
-    return _SLURM_PORT_BASE + _parse_int("SLURM_JOB_ID", str(job_id)) % _SLURM_PORT_SPAN
+    job = _parse_int("SLURM_JOB_ID", str(job_id))
+    return _SLURM_PORT_BASE + (job + _STEP_STRIDE * step_id) % _SLURM_PORT_SPAN
 
 
 def read_launch_env(
@@ -360,16 +366,25 @@ def _read_slurm(env: Mapping[str, str], port: int | None) -> LaunchEnv:
     _check_ranks("slurm", rank, world, local_rank, local_size)
     environ = dict(env)
     if not environ.get("MASTER_ADDR"):
-        nodelist = env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        # the step's nodes first: a step on part of the job (srun -w, --relative) may not
+        # start on the job's first node
+        nodelist = (
+            env.get("SLURM_STEP_NODELIST")
+            or env.get("SLURM_NODELIST")
+            or env.get("SLURM_JOB_NODELIST")
+        )
         if not nodelist:
             message = (
-                "Launcher 'slurm' needs SLURM_NODELIST (or SLURM_JOB_NODELIST) to find the host "
-                "of rank 0, and neither is set. Export MASTER_ADDR yourself to bypass it."
+                "Launcher 'slurm' needs SLURM_STEP_NODELIST, SLURM_NODELIST or "
+                "SLURM_JOB_NODELIST to find the host of rank 0, and none is set. Export "
+                "MASTER_ADDR yourself to bypass it."
             )
             raise LauncherError(message)
         environ["MASTER_ADDR"] = parse_slurm_nodelist(nodelist)[0]
     job_id = env.get("SLURM_JOB_ID")
-    default_port = slurm_job_port(job_id) if job_id else None
+    step_id = env.get("SLURM_STEP_ID", "")
+    step = int(step_id) if step_id.isdigit() and int(step_id) < _SLURM_PORT_SPAN else 0
+    default_port = slurm_job_port(job_id, step) if job_id else None
     addr, master_port = _master(environ, "slurm", port, default_port, hint)
     return LaunchEnv(
         "slurm", rank, world, local_rank, local_size, addr, master_port, _node_key(node_id)

@@ -1,28 +1,33 @@
-"""Start and stop the default process group and the per-node (local) groups."""
+"""Start and stop the default process group, the per-node (local) groups and the CPU twins."""
 
 from __future__ import annotations
 
 import os
+import socket
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as torch_dist
+from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore (not in its stubs)
 
 from .errors import AlreadyInitializedError, LauncherError, NotInitializedError
-from .launcher import LAUNCHERS, current_node_key, infer_launcher, read_launch_env
+from .launcher import LAUNCHERS, LaunchEnv, current_node_key, infer_launcher, read_launch_env
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "default_backend",
     "destroy_dist",
+    "get_cpu_group",
     "init_dist",
     "init_local_group",
 ]
 
 DEFAULT_TIMEOUT_S = 1800.0
-"""Default collective timeout in seconds: 30 minutes, as torch's."""
+"""Default collective timeout in seconds: 30 minutes, torch's default for gloo (torch's own
+default for nccl is 10 minutes: pass ``timeout=600`` to match it)."""
 
 _TORCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -55,6 +60,11 @@ def init_dist(
     [`get_local_rank`][comm_core.get_local_rank] and [`get_local_size`][comm_core.get_local_size]
     are right as soon as it returns. On any failure the process group is destroyed and the
     environment restored.
+
+    When it creates the rendezvous store itself (no ``init_method`` or ``store`` given, and
+    not under torchrun, whose agent owns the store) and every rank runs on this host (the
+    launcher says so, or ``MASTER_ADDR`` is a loopback address), the store listens on
+    127.0.0.1 only; otherwise it listens on every interface, as torch's does.
 
     Args:
         launcher: ``"pytorch"`` (torchrun), ``"slurm"`` (srun) or ``"mpi"`` (mpirun).
@@ -95,9 +105,13 @@ def init_dist(
     try:
         os.environ.update(launch.as_environ())
         if _uses_cuda(backend):
-            torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(_cuda_index(launch.local_rank, torch.cuda.device_count()))
         if need_master:
-            kwargs["init_method"] = "env://"
+            store = _loopback_store(launch, timeout)
+            if store is None:
+                kwargs["init_method"] = "env://"
+            else:
+                kwargs["store"] = store
         torch_dist.init_process_group(
             backend=backend,
             rank=launch.rank,
@@ -106,6 +120,8 @@ def init_dist(
             **kwargs,
         )
         _init_local_group_by_node(launch.node_key)
+        if not _moves_cpu_tensors(backend):
+            get_cpu_group()  # the CPU twin of the world, while every rank is here anyway
         os.environ["LOCAL_WORLD_SIZE"] = str(torch_dist.get_world_size(_LocalGroup.group))
         if launch.local_world_size not in (None, torch_dist.get_world_size(_LocalGroup.group)):
             message = (
@@ -124,6 +140,60 @@ def init_dist(
         raise
 
 
+_LOOPBACK_NAMES = ("localhost", "::1")
+
+
+def _is_loopback(host: str | None) -> bool:
+    return host is not None and (host.startswith("127.") or host in _LOOPBACK_NAMES)
+
+
+def _loopback_store(launch: LaunchEnv, timeout: float) -> TCPStore | None:
+    """The rendezvous store on 127.0.0.1, when every rank runs here; None otherwise.
+
+    torch's own store listens on every interface. Under torchrun the agent has created the
+    store already (``TORCHELASTIC_USE_AGENT_STORE``) and the ranks only connect to it.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    all_here = launch.local_world_size is not None and launch.local_world_size == launch.world_size
+    if not (all_here or _is_loopback(launch.master_addr)):
+        return None
+    port = int(launch.master_port or 0)
+    wait = timedelta(seconds=timeout)
+    if launch.rank != 0:
+        return TCPStore("127.0.0.1", port, launch.world_size, False, wait)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(max(128, launch.world_size))
+    except OSError as exc:
+        listener.close()
+        message = (
+            f"init_dist: rank 0 cannot listen on 127.0.0.1:{port} for the rendezvous "
+            f"({exc}). Another job may use the port: set MASTER_PORT (or port=) to a free one."
+        )
+        raise LauncherError(message) from exc
+    # the store takes the listening socket over; it closes it when it is destroyed
+    return TCPStore(
+        "127.0.0.1", port, launch.world_size, True, wait, master_listen_fd=listener.detach()
+    )
+
+
+def _cuda_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a local rank: its own index, or 0 when each task sees one GPU."""
+    if visible <= 1:
+        return 0  # e.g. one GPU per task through CUDA_VISIBLE_DEVICES
+    if local_rank >= visible:
+        message = (
+            f"init_dist: local rank {local_rank} needs a GPU of its own, but this process sees "
+            f"{visible} GPUs; two ranks on one GPU fail later in NCCL ('Duplicate GPU'). Start "
+            "at most one rank per GPU on each node."
+        )
+        raise LauncherError(message)
+    return local_rank
+
+
 def _uses_cuda(backend: str) -> bool:
     return "nccl" in backend.lower() and torch.cuda.is_available()
 
@@ -134,6 +204,7 @@ def destroy_dist() -> None:
         torch_dist.destroy_process_group()
     _LocalGroup.group = None
     _LocalGroup.owner = None
+    _cpu_twins.clear()
 
 
 def _require_default_group(caller: str) -> None:
@@ -226,3 +297,88 @@ def current_local_group() -> torch_dist.ProcessGroup | None:
     if _LocalGroup.owner is not torch_dist.distributed_c10d._get_default_group():
         return None
     return _LocalGroup.group
+
+
+# The gloo twins of groups whose backend cannot move CPU tensors (nccl, ...), per default
+# group and member ranks. Weak keys: a destroyed default group takes its twins' entries with
+# it; and a twin is used only while torch still knows it (``_twin_alive``).
+_cpu_twins: weakref.WeakKeyDictionary[
+    torch_dist.ProcessGroup, dict[tuple[int, ...], torch_dist.ProcessGroup]
+] = weakref.WeakKeyDictionary()
+_CPU_BACKENDS = ("gloo", "mpi", "ucc")
+
+
+def _moves_cpu_tensors(backend: str) -> bool:
+    """Whether a backend string (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...) covers the CPU."""
+    backend = backend.lower()
+    if ":" in backend:
+        parts = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+        return parts.get("cpu", "") in _CPU_BACKENDS
+    return backend in _CPU_BACKENDS
+
+
+def _twin_alive(twin: torch_dist.ProcessGroup) -> bool:
+    return twin in torch_dist.distributed_c10d._world.pg_map
+
+
+def get_cpu_group(
+    group: torch_dist.ProcessGroup | None = None,
+) -> torch_dist.ProcessGroup | None:
+    """Return a process group over the ranks of ``group`` that moves CPU tensors.
+
+    That is ``group`` itself (None stays None: the default group) when its backend handles
+    CPU tensors (``"gloo"``, ``"mpi"``, ``"cpu:gloo"``, ``"cpu:gloo,cuda:nccl"``, ...).
+    Otherwise (``"nccl"``) it is a gloo twin over the same ranks, created on the first call
+    and reused afterwards:
+
+    - the default group's twin is created by every rank, like any group; ``init_dist``
+      creates it when the backend cannot move CPU tensors, so later calls only look it up;
+    - the twin of a smaller group is created by the members of ``group`` only (every one
+      of them calls this at the same point of its program) with local synchronisation: the
+      ranks outside take no part and the numbering of the groups every rank creates stays
+      the same. As for any group torch creates this way, the members must have created the
+      same groups before.
+
+    The twins belong to the default group: after [`destroy_dist`][comm_core.destroy_dist]
+    (or ``torch.distributed.destroy_process_group``) and a new ``init_dist``, fresh twins
+    are created.
+
+    Args:
+        group: A process group this rank belongs to; the default group when None.
+
+    Returns:
+        The group to send CPU tensors on; None in a plain process.
+
+    Raises:
+        ValueError: This rank is not a member of ``group``.
+
+    Examples:
+        >>> get_cpu_group() is None  # a plain process has no groups
+        True
+    """
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return None
+    if group is not None and torch_dist.get_rank(group) < 0:
+        message = (
+            f"get_cpu_group: global rank {torch_dist.get_rank()} is not a member of the given "
+            "group; only its members may ask for its CPU twin."
+        )
+        raise ValueError(message)
+    if _moves_cpu_tensors(str(torch_dist.get_backend(group))):
+        return group
+    owner = torch_dist.distributed_c10d._get_default_group()
+    whole = group is None or group is torch_dist.group.WORLD or group is owner
+    if whole:
+        ranks = tuple(range(torch_dist.get_world_size()))
+    else:
+        ranks = tuple(torch_dist.get_process_group_ranks(group))
+    twins = _cpu_twins.setdefault(owner, {})
+    twin = twins.get(ranks)
+    if twin is None or not _twin_alive(twin):
+        # the whole world's twin is made by every rank, in order; a smaller group's by its
+        # members only (its name then comes from its ranks, not from the group counter)
+        twin = torch_dist.new_group(
+            ranks=list(ranks), backend="gloo", use_local_synchronization=not whole
+        )
+        twins[ranks] = twin
+    return twin

@@ -56,10 +56,22 @@ def get_backend(group: torch_dist.ProcessGroup | None = None) -> str | None:
 
 
 def get_world_size(group: torch_dist.ProcessGroup | None = None) -> int:
-    """Return the number of ranks in ``group`` (default group when None); 1 in a plain process."""
+    """Return the number of ranks in ``group`` (default group when None); 1 in a plain process.
+
+    Raises:
+        ValueError: This process is not a member of ``group`` (torch would return -1, which
+            then fails later with a less helpful message).
+    """
     if not is_distributed():
         return 1
-    return int(torch_dist.get_world_size(group))
+    size = int(torch_dist.get_world_size(group))
+    if size < 0:
+        message = (
+            f"get_world_size: global rank {torch_dist.get_rank()} is not a member of the given "
+            "group. Only members of a group may use it (in a collective, or to ask its size)."
+        )
+        raise ValueError(message)
+    return size
 
 
 def get_rank(group: torch_dist.ProcessGroup | None = None) -> int:

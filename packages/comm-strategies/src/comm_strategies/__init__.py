@@ -1,5 +1,32 @@
-"""comm-strategies: Single / DDP / FSDP / DeepSpeed strategies for any training loop."""
+"""comm-strategies: Single / DDP / FSDP / DeepSpeed strategies for any training loop.
+
+Examples:
+    >>> import torch
+    >>> from comm_strategies import build_strategy
+    >>> strategy = build_strategy("single", seed=0)
+    >>> model, optim_wrapper, _ = strategy.prepare(
+    ...     torch.nn.Linear(2, 1), optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1))
+    ... )
+    >>> optim_wrapper.update_params(model(torch.ones(3, 2)).sum())
+"""
 
 from .__about__ import __version__
+from .base import Strategy
+from .ddp import DDPStrategy
+from .deepspeed import DeepSpeedStrategy
+from .fsdp import FSDPStrategy
+from .registry import ENTRY_POINT_GROUP, available_strategies, build_strategy, register_strategy
+from .single import SingleDeviceStrategy
 
-__all__ = ["__version__"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DDPStrategy",
+    "DeepSpeedStrategy",
+    "FSDPStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "__version__",
+    "available_strategies",
+    "build_strategy",
+    "register_strategy",
+]

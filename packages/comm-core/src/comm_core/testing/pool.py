@@ -2,8 +2,9 @@
 
 The ranks are fresh interpreters (``python -m comm_core.testing._worker``, so the caller's
 ``__main__`` is never re-imported) joined by a gloo process group whose rendezvous is a
-``FileStore`` in a private temporary folder: no port is opened for the store, and gloo
-itself is bound to the loopback interface. Every call is bounded by a timeout; a failed
+``FileStore`` in a private temporary folder: no port is opened for the store, and on Linux
+gloo is bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``, set for the ranks
+even when the caller's environment names another interface). Every call is bounded by a timeout; a failed
 call reports the traceback of every failed rank and the stack of every stuck one, then
 restarts the world so the next call starts clean.
 """
@@ -86,7 +87,9 @@ def _worker_main(conn: Connection) -> None:
         }
     )
     if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # the ranks are all here: gloo on the loopback interface, whatever the caller's
+        # environment says (clusters often set GLOO_SOCKET_IFNAME to ib0 or eth0)
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     stack_file = open(config["stack_path"], "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:

@@ -30,6 +30,7 @@ posted: nothing is left posted to catch a later call's messages.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,7 +41,16 @@ import torch.distributed as torch_dist
 from .buffers import empty_bytes
 from .serialization import decode, frame_nbytes, frame_pieces, load, write_frame
 
-__all__ = ["CHUNK_BYTES", "STREAMED", "WINDOW", "PartReader", "PartWriter", "PeerFailedError"]
+__all__ = [
+    "CHUNK_BYTES",
+    "POST_AHEAD_BYTES",
+    "STREAMED",
+    "WINDOW",
+    "ChunkBuffer",
+    "PartReader",
+    "PartWriter",
+    "PeerFailedError",
+]
 
 CHUNK_BYTES = 128 * 1024
 WINDOW = 4
@@ -49,6 +59,9 @@ _STREAM_AT = 64 * 1024  # the C pickler writes its first frame at 64 KiB
 _HEAD = 64
 _PAYLOAD = CHUNK_BYTES - _HEAD
 DATA, LAST, FAILED, FILLER = 0, 1, 2, 3
+POST_AHEAD_BYTES = 4 * 1024 * 1024
+"""A part sent as one message is received ahead (before the previous part is unpickled)
+only up to this size, so rank 0 holds at most one large part buffer at a time."""
 
 
 class PeerFailedError(Exception):
@@ -173,8 +186,8 @@ class PartReader:
         group: torch_dist.ProcessGroup | None,
         device: torch.device,
     ) -> None:
-        self._data = head
-        self._pos = 0
+        self._buffer = ChunkBuffer()
+        self._buffer.append(head)
         self._count = count
         self._src = src
         self._group = group
@@ -187,6 +200,11 @@ class PartReader:
         self._extra_nbytes = 0
         self._extra: list[memoryview] | None = None
         self._received = count == 0  # a part in one message: whether it has been received
+
+    @property
+    def count(self) -> int:
+        """The part's shape as announced: 0 inline, > 0 bytes of one message, or STREAMED."""
+        return self._count
 
     def post(self) -> None:
         """Post the receives this part needs first (once; an inline part needs none)."""
@@ -209,7 +227,7 @@ class PartReader:
         """
         if self._count > 0:
             frame = self._receive_whole()
-            return decode((frame if frame.device.type == "cpu" else frame.cpu()).numpy())
+            return decode(frame.cpu().numpy())
         return load(self, self._extra_buffers())
 
     def finish(self) -> None:
@@ -220,38 +238,33 @@ class PartReader:
             self._pull()
         if not self._failed and self._extra is None and self._extra_nbytes:
             self._receive_extra()
-        self._data = b""
+        self._buffer = ChunkBuffer()
         self._extra = None
         self._slots = []
 
     # the file interface of pickle.Unpickler
 
     def read(self, n: int) -> bytes:
-        while len(self._data) - self._pos < n and not self._ended:
+        while self._buffer.size < n and not self._ended:
             self._pull()
         if self._failed:
             raise PeerFailedError
-        out = self._data[self._pos : self._pos + n]
-        self._pos += len(out)
-        return out
+        return self._buffer.read(n)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        data = self.read(view.nbytes)
-        view[: len(data)] = data
-        return len(data)
-
-    def readline(self) -> bytes:
-        end = self._data.find(b"\n", self._pos)
-        while end < 0 and not self._ended:
+        while self._buffer.size < view.nbytes and not self._ended:
             self._pull()
-            end = self._data.find(b"\n", self._pos)
         if self._failed:
             raise PeerFailedError
-        stop = end + 1 if end >= 0 else len(self._data)
-        out = self._data[self._pos : stop]
-        self._pos = stop
-        return out
+        return self._buffer.readinto(view)
+
+    def readline(self) -> bytes:
+        while not self._buffer.has_line() and not self._ended:
+            self._pull()
+        if self._failed:
+            raise PeerFailedError
+        return self._buffer.readline()
 
     def _receive_whole(self) -> torch.Tensor:
         self.post()
@@ -268,7 +281,7 @@ class PartReader:
         index = self._next % WINDOW
         self._works[index].wait()
         slot = self._slots[index]
-        message = (slot if slot.device.type == "cpu" else slot.cpu()).numpy()
+        message = slot.cpu().numpy()
         kind, nbytes, extra = message[:24].view(np.int64).tolist()
         payload = message[_HEAD : _HEAD + nbytes].tobytes()
         self._next += 1
@@ -280,15 +293,12 @@ class PartReader:
             self._extra_nbytes = extra
             for later in range(1, WINDOW):  # the fillers of the receives still posted
                 self._works[(index + later) % WINDOW].wait()
-        rest = self._data[self._pos :]
-        self._data = rest + payload if rest else payload
-        self._pos = 0
+        self._buffer.append(payload)
 
     def _receive_extra(self) -> None:
         frame = empty_bytes(self._extra_nbytes, self._device)
         torch_dist.recv(frame, self._src, group=self._group)
-        host = frame if frame.device.type == "cpu" else frame.cpu()
-        self._extra = frame_pieces(host.numpy())[1:]
+        self._extra = frame_pieces(frame.cpu().numpy())[1:]
 
     def _extra_buffers(self) -> Iterator[memoryview]:
         # runs on the first out-of-band buffer the stream refers to: the buffers come after
@@ -300,3 +310,83 @@ class PartReader:
         if self._extra is None and self._extra_nbytes:
             self._receive_extra()
         yield from self._extra or ()
+
+
+class ChunkBuffer:
+    """The received, not yet unpickled bytes of a stream: a queue of chunks and an offset.
+
+    Appending keeps the chunks as they are and reading copies each byte out once, so a part
+    is rebuilt in time linear in its size however large its in-band objects are (joining
+    the rest with every new chunk would copy a large object once per chunk).
+
+    Attributes:
+        size: Bytes buffered and not yet read.
+        copied: Bytes copied out so far: each byte is copied out once, when it is read.
+    """
+
+    def __init__(self) -> None:
+        self._chunks: deque[bytes] = deque()
+        self._offset = 0  # into the first chunk
+        self.size = 0
+        self.copied = 0
+
+    def append(self, chunk: bytes) -> None:
+        """Queue ``chunk`` after the bytes already buffered."""
+        if chunk:
+            self._chunks.append(chunk)
+            self.size += len(chunk)
+
+    def read(self, n: int) -> bytes:
+        """Return the next ``n`` bytes (fewer when fewer are buffered)."""
+        n = max(0, min(n, self.size))
+        first = self._chunks[0] if self._chunks else b""
+        if self._offset + n <= len(first):  # the common case: inside one chunk
+            out = first[self._offset : self._offset + n]
+            self._consume(n)
+        else:
+            joined = bytearray(n)
+            self._copy_into(memoryview(joined))
+            out = bytes(joined)
+        self.copied += len(out)
+        return out
+
+    def readinto(self, view: memoryview) -> int:
+        """Copy the next bytes into ``view``; return how many were copied."""
+        n = min(view.nbytes, self.size)
+        self._copy_into(view[:n])
+        self.copied += n
+        return n
+
+    def has_line(self) -> bool:
+        """Whether a newline is buffered."""
+        return any(
+            chunk.find(b"\n", self._offset if index == 0 else 0) >= 0
+            for index, chunk in enumerate(self._chunks)
+        )
+
+    def readline(self) -> bytes:
+        """Return the bytes up to and including the next newline (or all that is buffered)."""
+        n = 0
+        for index, chunk in enumerate(self._chunks):
+            start = self._offset if index == 0 else 0
+            end = chunk.find(b"\n", start)
+            if end >= 0:
+                n += end + 1 - start
+                break
+            n += len(chunk) - start
+        return self.read(n)
+
+    def _copy_into(self, view: memoryview) -> None:
+        done = 0
+        while done < view.nbytes:
+            first = self._chunks[0]
+            take = min(view.nbytes - done, len(first) - self._offset)
+            view[done : done + take] = memoryview(first)[self._offset : self._offset + take]
+            done += take
+            self._consume(take)
+
+    def _consume(self, n: int) -> None:
+        self._offset += n
+        self.size -= n
+        while self._chunks and self._offset >= len(self._chunks[0]):
+            self._offset -= len(self._chunks.popleft())

@@ -1,0 +1,448 @@
+"""`Strategy`: how a model is placed, wrapped, optimised and checkpointed, for any training loop."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import random
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+import comm_collectives as dist
+
+from ._build import (
+    build_optim_wrapper,
+    build_schedulers,
+    is_optim_wrapper,
+    optimizers_of,
+    rebuild_over,
+    trainable_names,
+)
+
+__all__ = ["Strategy"]
+
+
+class Strategy:
+    """The base of every strategy: MMEngine's ``BaseStrategy`` surface, without side effects.
+
+    A strategy turns a model (and an optimizer and schedulers, built or as config dicts)
+    into what a training loop drives: ``model, optim_wrapper, schedulers =
+    strategy.prepare(model, optim_wrapper=..., param_scheduler=...)``, then
+    ``optim_wrapper.update_params(loss)`` (or ``model.train_step(batch, optim_wrapper)``)
+    in the loop. Subclasses say how the model is wrapped (`_wrap_model`).
+
+    Constructing a strategy does nothing else: the process group, the seed and the work
+    folder come with `setup_env` (called by `prepare`) and with the first save.
+
+    Args:
+        work_dir: Folder of checkpoints (created at the first save); None: none.
+        launcher: ``"pytorch"``, ``"slurm"``, ``"mpi"`` or ``"none"``; None infers it from
+            the environment (comm_core's ``infer_launcher``).
+        backend: Process group backend; None picks nccl with CUDA, else gloo.
+        timeout: Timeout of collectives, in seconds.
+        seed: The seed of every random generator; None draws one (the same on every rank).
+        diff_rank_seed: Seed each rank with ``seed + rank`` (e.g. for data augmentation).
+        deterministic: Use deterministic algorithms (``torch.use_deterministic_algorithms``).
+
+    Attributes:
+        model: The prepared model (None before `prepare`).
+        optim_wrapper: The prepared optimizer wrapper (or None).
+        param_schedulers: The prepared schedulers (a list, maybe empty).
+    """
+
+    #: Short name recorded in checkpoints and accepted by `build_strategy`.
+    name: str = "base"
+    #: Whether the strategy needs a process group (one of one is created in a plain process).
+    needs_process_group: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        work_dir: str | os.PathLike[str] | None = None,
+        launcher: str | None = None,
+        backend: str | None = None,
+        timeout: float = 1800.0,
+        seed: int | None = None,
+        diff_rank_seed: bool = False,
+        deterministic: bool = False,
+    ) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            message = f"seed must be an int or None, got {seed!r}"
+            raise TypeError(message)
+        self._work_dir = None if work_dir is None else Path(work_dir)
+        self.launcher = launcher
+        self.backend = backend
+        self.timeout = timeout
+        self._seed_option = seed
+        self._seed: int | None = None
+        self.diff_rank_seed = diff_rank_seed
+        self.deterministic = deterministic
+        self._env_ready = False
+        self._owns_group = False
+        self._prepared = False
+        self.model: Any = None
+        self.optim_wrapper: Any = None
+        self.param_schedulers: list[Any] = []
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 in a plain process)."""
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes (1 in a plain process)."""
+        return dist.get_world_size()
+
+    @property
+    def distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.world_size > 1
+
+    @property
+    def seed(self) -> int | None:
+        """The seed in use: None before `setup_env`."""
+        return self._seed
+
+    @property
+    def work_dir(self) -> Path | None:
+        """The checkpoint folder (not created until a checkpoint is saved)."""
+        return self._work_dir
+
+    # ------------------------------------------------------------------ environment
+    def setup_env(self) -> None:
+        """Start the process group (if needed and none exists), then seed every generator.
+
+        Idempotent. The launcher is inferred from the environment when not given; a plain
+        process gets a private world of one when the strategy needs a process group.
+        """
+        if self._env_ready:
+            return
+        if self.needs_process_group and not dist.is_distributed():
+            launcher = self.launcher or dist.infer_launcher()
+            if launcher == "none":
+                self._init_world_of_one()
+            else:
+                dist.init_dist(launcher, self.backend, timeout=self.timeout)
+            self._owns_group = True
+        seed = self._seed_option if self._seed_option is not None else dist.sync_random_seed()
+        self._seed = seed
+        self._seed_everything(seed + (self.rank if self.diff_rank_seed else 0))
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        self._env_ready = True
+
+    def _init_world_of_one(self) -> None:
+        backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        torch_dist.init_process_group(
+            backend,
+            store=torch_dist.HashStore(),  # type: ignore[attr-defined]
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=self.timeout),
+        )
+        dist.init_local_group()
+
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        torch.manual_seed(seed)
+        numpy = sys.modules.get("numpy")  # seeded when in use; not a dependency
+        if numpy is not None:
+            numpy.random.seed(seed % 2**32)
+
+    def teardown(self) -> None:
+        """Destroy the process group if `setup_env` created it."""
+        if self._owns_group:
+            dist.destroy_dist()
+            self._owns_group = False
+        self._env_ready = False
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(
+        self,
+        model: nn.Module | Mapping[str, Any],
+        *,
+        optim_wrapper: Any = None,
+        param_scheduler: Any = None,
+        compile: bool | Mapping[str, Any] = False,
+        dispatch_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[Any, Any, list[Any]]:
+        """Place and wrap the model, then build the optimizer over the wrapped parameters.
+
+        Args:
+            model: An ``nn.Module`` or ``dict(type=ModelClass, **kwargs)``.
+            optim_wrapper: An optimizer wrapper, a torch optimizer, or a config such as
+                ``dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.1),
+                accumulative_counts=2, clip_grad=dict(max_norm=1.0))``. A built optimizer
+                whose parameters the wrapping replaced (FSDP2) is rebuilt, by name.
+            param_scheduler: A scheduler, a config ``dict(type="StepLR", step_size=...)``,
+                or a list of them. Built schedulers are kept (moved to a rebuilt optimizer).
+            compile: ``True`` or ``dict(target="forward", **torch_compile_options)``.
+            dispatch_kwargs: Runner facts: ``max_iters`` (sets the accumulation tail),
+                ``train_micro_batch_size_per_gpu`` (DeepSpeed).
+
+        Returns:
+            ``(model, optim_wrapper, schedulers)``; also kept as attributes.
+
+        Raises:
+            RuntimeError: `prepare` was called already on this strategy.
+        """
+        if self._prepared:
+            message = (
+                f"{type(self).__name__}.prepare was called already; a strategy prepares one "
+                "model once. Use the objects it returned (strategy.model, "
+                "strategy.optim_wrapper, strategy.param_schedulers), or a new strategy."
+            )
+            raise RuntimeError(message)
+        dispatch = dict(dispatch_kwargs or {})
+        self.setup_env()
+        module = self._build_model(model)
+        names = trainable_names(module)
+        schedulers_in = _built_schedulers(param_scheduler)
+        self._check_optimizer_before_wrapping(optim_wrapper, module)
+        wrapped = self._wrap_model(module)
+        wrapped = self._compile(wrapped, compile)
+        wrapped, optim = self._build_optimizer(
+            wrapped, optim_wrapper, names, schedulers_in, dispatch
+        )
+        schedulers = self._build_schedulers(param_scheduler, self._schedule_target(optim))
+        max_iters = dispatch.get("max_iters")
+        if optim is not None and max_iters is not None:
+            for each in optimizers_of(optim):
+                init = getattr(each, "initialize_count_status", None)
+                if callable(init):
+                    init(wrapped, 0, int(max_iters))
+        self.model, self.optim_wrapper, self.param_schedulers = wrapped, optim, schedulers
+        self._prepared = True
+        return wrapped, optim, schedulers
+
+    def _build_model(self, model: nn.Module | Mapping[str, Any]) -> nn.Module:
+        if isinstance(model, Mapping):
+            options = copy.deepcopy(dict(model))
+            kind = options.pop("type", None)
+            if not callable(kind):
+                message = (
+                    "a model config needs 'type' set to a class or a callable, got "
+                    f"{kind!r}; build the model yourself and pass the module"
+                )
+                raise TypeError(message)
+            model = kind(**options)
+        if not isinstance(model, nn.Module):
+            message = f"model must be an nn.Module or a config dict, got {type(model).__name__}"
+            raise TypeError(message)
+        return model
+
+    def _check_optimizer_before_wrapping(self, optim_wrapper: Any, model: nn.Module) -> None:
+        """Hook for strategies that must refuse some optimizer forms (nothing here)."""
+
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
+        """Place and wrap the model; subclasses override."""
+        raise NotImplementedError
+
+    def _compile(self, model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
+        if not compile:
+            return model
+        options: dict[str, Any] = {} if compile is True else copy.deepcopy(dict(compile))
+        target = options.pop("target", "forward")
+        method = getattr(model, target, None)
+        if not callable(method):
+            message = f"compile target {target!r} is not a method of {type(model).__name__}"
+            raise ValueError(message)
+        setattr(model, target, torch.compile(method, **options))
+        return model
+
+    def _build_optimizer(
+        self,
+        model: nn.Module,
+        optim_wrapper: Any,
+        names: Mapping[int, str],
+        schedulers: Sequence[Any],
+        dispatch: Mapping[str, Any],
+    ) -> tuple[Any, Any]:
+        """Build the optimizer wrapper over the wrapped model; DeepSpeed overrides it."""
+        if optim_wrapper is None:
+            return model, None
+        optim = build_optim_wrapper(optim_wrapper, model)
+        for each in optimizers_of(optim):
+            if is_optim_wrapper(each) and isinstance(each.optimizer, torch.optim.Optimizer):
+                each.optimizer = rebuild_over(each.optimizer, names, model, schedulers)
+        return model, optim
+
+    def _build_schedulers(self, config: Any, optimizer: Any) -> list[Any]:
+        """Build the scheduler configs over ``optimizer``; built schedulers pass through."""
+        return build_schedulers(config, optimizer)
+
+    def _schedule_target(self, optim_wrapper: Any) -> Any:
+        """The torch optimizer that scheduler configs are built over (None: no optimizer)."""
+        if optim_wrapper is None or not is_optim_wrapper(optim_wrapper):
+            return None
+        return optim_wrapper.optimizer
+
+    # ------------------------------------------------------------------ checkpoints
+    def _require_prepared(self, what: str) -> None:
+        if not self._prepared:
+            message = f"{type(self).__name__}.{what} needs a prepared model: call prepare first"
+            raise RuntimeError(message)
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        save_optimizer: bool = True,
+        save_param_scheduler: bool = True,
+        extra: Mapping[str, Any] | None = None,
+        sharded: bool | None = None,
+    ) -> Path:
+        """Save a checkpoint directory (collective: every rank calls it).
+
+        Args:
+            path: The checkpoint directory; relative paths are under `work_dir` when set.
+            save_optimizer: Include the optimizer state.
+            save_param_scheduler: Include the schedulers.
+            extra: User state (step, epoch, EMA, ...) given back by `resume`.
+            sharded: None for the strategy's natural format.
+
+        Returns:
+            The checkpoint directory.
+        """
+        self._require_prepared("save_checkpoint")
+        checkpoint = _checkpoint()
+        return Path(
+            checkpoint.save_checkpoint(
+                self._resolve(path),
+                model=self.model,
+                optim_wrapper=self.optim_wrapper if save_optimizer else None,
+                schedulers=self.param_schedulers if save_param_scheduler else (),
+                strategy=self.name,
+                extra=None if extra is None else dict(extra),
+                sharded=sharded,
+            )
+        )
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        strict: bool = True,
+        allow_unsafe_pickle: bool = False,
+    ) -> dict[str, Any]:
+        """Load the model's weights only, from any checkpoint of the contract or a plain .pth.
+
+        Collective. Returns the checkpoint's user state (``extra``).
+        """
+        self._require_prepared("load_checkpoint")
+        checkpoint = _checkpoint()
+        return dict(
+            checkpoint.load_checkpoint(
+                self._resolve(path),
+                model=self.model,
+                strict=strict,
+                load_optimizer=False,
+                load_schedulers=False,
+                load_rng=False,
+                allow_unsafe_pickle=allow_unsafe_pickle,
+            )
+        )
+
+    def resume(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        resume_optimizer: bool = True,
+        resume_param_scheduler: bool = True,
+        load_rng: bool = True,
+        allow_unsafe_pickle: bool = False,
+    ) -> dict[str, Any]:
+        """Restore model, optimizer, schedulers and RNG states (collective).
+
+        Args:
+            path: The checkpoint; None resumes from the latest complete one in `work_dir`.
+            resume_optimizer: Restore the optimizer state.
+            resume_param_scheduler: Restore the schedulers.
+            load_rng: Restore each rank's random generators.
+            allow_unsafe_pickle: Allow formats that need full unpickling (DeepSpeed's own).
+
+        Returns:
+            The checkpoint's user state (``extra``).
+        """
+        self._require_prepared("resume")
+        checkpoint = _checkpoint()
+        if path is None:
+            if self._work_dir is None:
+                message = "resume() without a path needs the strategy's work_dir"
+                raise ValueError(message)
+            latest = checkpoint.find_latest(self._work_dir)
+            if latest is None:
+                message = f"resume(): no complete checkpoint under {self._work_dir}"
+                raise FileNotFoundError(message)
+            path = latest
+        return dict(
+            checkpoint.load_checkpoint(
+                self._resolve(path),
+                model=self.model,
+                optim_wrapper=self.optim_wrapper,
+                schedulers=self.param_schedulers,
+                load_optimizer=resume_optimizer,
+                load_schedulers=resume_param_scheduler,
+                load_rng=load_rng,
+                allow_unsafe_pickle=allow_unsafe_pickle,
+            )
+        )
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The full, unprefixed model state on the CPU, on every rank (collective)."""
+        self._require_prepared("model_state_dict")
+        checkpoint = _checkpoint()
+        return dict(checkpoint.full_model_state_dict(self.model))
+
+    def optim_state_dict(self) -> dict[str, Any]:
+        """The full optimizer state keyed by parameter names (collective)."""
+        self._require_prepared("optim_state_dict")
+        checkpoint = _checkpoint()
+        return dict(checkpoint.full_optim_state_dict(self.model, self.optim_wrapper))
+
+    def load_model_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Load a full model state (unprefixed names) into the prepared model (collective)."""
+        self._require_prepared("load_model_state_dict")
+        checkpoint = _checkpoint()
+        checkpoint.load_full_model_state_dict(self.model, dict(state_dict), strict=strict)
+
+    def load_optim_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a full optimizer state (from `optim_state_dict`) (collective)."""
+        self._require_prepared("load_optim_state_dict")
+        checkpoint = _checkpoint()
+        checkpoint.load_full_optim_state_dict(self.model, self.optim_wrapper, dict(state_dict))
+
+    def _resolve(self, path: str | os.PathLike[str]) -> Path:
+        resolved = Path(path)
+        if not resolved.is_absolute() and self._work_dir is not None:
+            resolved = self._work_dir / resolved
+        return resolved
+
+    def __repr__(self) -> str:
+        state = "prepared" if self._prepared else "not prepared"
+        return f"{type(self).__name__}(name={self.name!r}, {state})"
+
+
+def _checkpoint() -> Any:
+    """The checkpoint contract (``comm_strategies.checkpoint``), imported when first used."""
+    return importlib.import_module(".checkpoint", __package__)
+
+
+def _built_schedulers(config: Any) -> list[Any]:
+    if config is None:
+        return []
+    items = list(config) if isinstance(config, (list, tuple)) else [config]
+    return [item for item in items if not isinstance(item, Mapping)]

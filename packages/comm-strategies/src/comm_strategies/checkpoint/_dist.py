@@ -1,0 +1,114 @@
+"""Rank queries and a bounded handshake on the process group's store.
+
+The checkpoint functions are collective. A rank that calls one alone must get an error
+instead of waiting forever in a barrier, so every call starts with a handshake on the
+default group's key-value store: each rank posts a key and waits, with a timeout, for the
+keys of all the others. The same mechanism exchanges small strings (the folder name,
+each rank's outcome), whatever the backend (gloo, NCCL): no tensor, no device sync.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as torch_dist
+
+from ._errors import CheckpointError
+
+DEFAULT_TIMEOUT_S = 300.0
+_TIMEOUT_VARIABLE = "COMM_CHECKPOINT_TIMEOUT"
+_calls = 0
+
+
+def is_distributed() -> bool:
+    """Whether a default process group is initialised."""
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return torch_dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 without a process group)."""
+    return torch_dist.get_world_size() if is_distributed() else 1
+
+
+def where() -> str:
+    """``"rank R of W"`` for error messages."""
+    return f"rank {rank()} of {world_size()}"
+
+
+def handshake_timeout(timeout: float | None) -> float:
+    """The timeout of the entry handshake: the argument, the variable, or the default."""
+    if timeout is not None:
+        return float(timeout)
+    value = os.environ.get(_TIMEOUT_VARIABLE)
+    if value:
+        try:
+            return float(value)
+        except ValueError:
+            message = f"{_TIMEOUT_VARIABLE} must be a number of seconds, got {value!r}"
+            raise CheckpointError(message) from None
+    return DEFAULT_TIMEOUT_S
+
+
+class Exchange:
+    """Small string exchanges between the ranks of one collective checkpoint call."""
+
+    def __init__(self, operation: str) -> None:
+        global _calls
+        _calls += 1
+        self.operation = operation
+        self.prefix = f"comm_checkpoint/{_calls}"
+        self.store: Any = None
+        if is_distributed() and world_size() > 1:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.store = _get_default_store()
+
+    def all_gather(self, name: str, value: str, timeout: float) -> list[str]:
+        """Post ``value`` under ``name`` and return every rank's value, index = rank.
+
+        Raises:
+            CheckpointError: A rank did not post within ``timeout`` seconds.
+        """
+        if self.store is None:
+            return [value]
+        me, world = rank(), world_size()
+        keys = [f"{self.prefix}/{name}/{r}" for r in range(world)]
+        self.store.set(keys[me], value.encode())
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+        except Exception as error:  # the store raises a plain RuntimeError/DistStoreError
+            missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            message = (
+                f"{self.operation} on {where()}: rank(s) {missing} did not reach {name!r} "
+                f"within {timeout:g} s. Every rank must call {self.operation} (it is "
+                "collective): call it on all ranks, not under `if rank == 0`. If the other "
+                f"ranks are only slow, raise the timeout ({_TIMEOUT_VARIABLE} or timeout=)."
+            )
+            raise CheckpointError(message) from error
+        return [bytes(self.store.get(key)).decode() for key in keys]
+
+    def check_all_ok(self, name: str, error: BaseException | None, timeout: float) -> None:
+        """Share each rank's outcome; raise on every rank if any rank failed."""
+        outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
+        outcomes = self.all_gather(name, outcome, timeout)
+        failed = [(r, text) for r, text in enumerate(outcomes) if text != "ok"]
+        if not failed:
+            return
+        if error is not None and isinstance(error, CheckpointError) and len(failed) == 1:
+            raise error
+        details = "; ".join(f"rank {r}: {text}" for r, text in failed)
+        message = f"{self.operation} failed on {len(failed)} rank(s): {details}"
+        raise CheckpointError(message) from error
+
+
+def barrier() -> None:
+    """The process group's barrier (nothing without one)."""
+    if is_distributed() and world_size() > 1:
+        torch_dist.barrier()

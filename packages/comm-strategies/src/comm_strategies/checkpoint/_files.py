@@ -1,0 +1,86 @@
+"""Writing and reading the checkpoint's files: private, atomic, safe to load."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._errors import CheckpointError
+
+UNSAFE_HINT = (
+    "Load it only if you trust its source, with allow_unsafe_pickle=True (it runs "
+    "torch.load(weights_only=False), which can execute code stored in the file)"
+)
+
+
+def save_tensor_file(obj: Any, path: Path) -> None:
+    """``torch.save`` to a private file (0600), through a temporary name and a rename."""
+    partial = path.with_name(path.name + ".partial")
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, path)
+
+
+def write_json(obj: Any, path: Path) -> None:
+    """Write JSON to a private file, through a temporary name and a rename."""
+    partial = path.with_name(path.name + ".partial")
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        json.dump(obj, handle, indent=1, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, path)
+
+
+def load_tensor_file(
+    path: Path, *, allow_unsafe_pickle: bool = False, mmap: bool = False, what: str = "file"
+) -> Any:
+    """``torch.load`` with ``weights_only=True`` unless the caller opted in; clear errors.
+
+    Raises:
+        CheckpointError: Missing, truncated or corrupt file, or one that needs full
+            unpickling without the opt-in.
+    """
+    if not path.is_file():
+        message = f"{what} {path} does not exist"
+        raise CheckpointError(message)
+    is_zip = zipfile.is_zipfile(path)
+    try:
+        return torch.load(
+            path,
+            map_location="cpu",
+            weights_only=not allow_unsafe_pickle,
+            mmap=mmap and is_zip,
+        )
+    except pickle.UnpicklingError as error:
+        if allow_unsafe_pickle:
+            message = f"{what} {path} is corrupt: it cannot be unpickled ({error})"
+            raise CheckpointError(message) from error
+        message = (
+            f"{what} {path} holds objects that torch.load(weights_only=True) refuses "
+            f"({_first_line(error)}). {UNSAFE_HINT}."
+        )
+        raise CheckpointError(message) from error
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        size = path.stat().st_size
+        message = (
+            f"{what} {path} is truncated or corrupt ({size} bytes; torch.load says: "
+            f"{_first_line(error)}). Load an earlier checkpoint (find_latest skips folders "
+            "without a manifest, not damaged files inside one)."
+        )
+        raise CheckpointError(message) from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__

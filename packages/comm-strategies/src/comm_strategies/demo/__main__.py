@@ -1,0 +1,117 @@
+"""``python -m comm_strategies.demo``: the digits under every strategy, then a summary table.
+
+Each strategy runs in its own processes (torchrun with ``--nproc`` local CPU ranks; one
+process for ``single``), on 127.0.0.1 only. The DeepSpeed run's checkpoint is then loaded
+for evaluation by one plain process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STRATEGIES = ("single", "ddp", "fsdp", "fsdp2", "deepspeed")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _checkpoints_available() -> bool:
+    return importlib.util.find_spec("comm_strategies.checkpoint") is not None
+
+
+def _run(name: str, nproc: int, work: Path, epochs: int, extra: list[str], timeout: float) -> Any:
+    out = work / f"{name}.json"
+    script = ["-m", "comm_strategies.demo.train", "--strategy", name, "--out", str(out)]
+    script += ["--epochs", str(epochs), "--progress", *extra]
+    if name == "single" or nproc == 1:
+        command = [sys.executable, *script]
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *script,
+        ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    # The progress bar (rank 0's stderr lines starting with the strategy's name).
+    for line in done.stderr.splitlines():
+        if line.startswith(name):
+            print(line, file=sys.stderr)
+    if done.returncode != 0 or not out.exists():
+        print(done.stdout[-4000:], done.stderr[-8000:], sep="\n", file=sys.stderr)
+        message = f"the {name} run failed (exit status {done.returncode}); its output is above"
+        raise SystemExit(message)
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["wall_s"] = wall
+    return result
+
+
+def _size(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value / 1024:.0f} KiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--nproc", type=int, default=2, help="local CPU ranks (default 2)")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    args = parser.parse_args(argv)
+    checkpoints = _checkpoints_available()
+    began = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="comm-demo-") as folder:
+        work = Path(folder)
+        for name in args.strategies:
+            extra = ["--save", str(work / f"ckpt-{name}")] if checkpoints else []
+            rows.append(_run(name, args.nproc, work, args.epochs, extra, args.timeout))
+        reload = None
+        if checkpoints and "deepspeed" in args.strategies:
+            reload = _run(
+                "single", 1, work, 0, ["--load", str(work / "ckpt-deepspeed")], args.timeout
+            )
+    print()
+    print(f"digits ({args.epochs} epochs, global batch 64, AdamW), {args.nproc} CPU ranks:")
+    header = f"| {'strategy':<10} | {'ranks':>5} | {'accuracy':>8} | {'time/step':>9} | {'checkpoint':>10} | {'wall':>6} |"
+    print(header)
+    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
+    for row in rows:
+        step = f"{row['step_ms']:.2f} ms" if row["step_ms"] is not None else "n/a"
+        print(
+            f"| {row['strategy']:<10} | {row['ranks']:>5} | {100 * row['accuracy']:>7.2f}% | "
+            f"{step:>9} | {_size(row['checkpoint_bytes']):>10} | {row['wall_s']:>5.1f}s |"
+        )
+    if reload is not None:
+        deepspeed_row = next(r for r in rows if r["strategy"] == "deepspeed")
+        same = abs(reload["accuracy"] - deepspeed_row["accuracy"]) < 1e-9
+        print(
+            f"\nDeepSpeed checkpoint loaded by one plain process: accuracy "
+            f"{100 * reload['accuracy']:.2f}% ({'the same as' if same else 'DIFFERENT from'} "
+            "the DeepSpeed run)"
+        )
+        if not same:
+            return 1
+    elif not checkpoints:
+        print("\ncheckpoints: comm_strategies.checkpoint is not installed; no checkpoint step")
+    print(f"\ntotal {time.perf_counter() - began:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""collect_results under faults: a tmpdir that is not shared, ranks on different paths,
+groups under a backend string other than "gloo", destroy and re-init; plus the linear
+reassembly of large in-band objects and the mode of part files."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+import comm_collectives as dist
+from comm_collectives import _stream, results
+from comm_core.testing import WorldPool
+
+
+def _caught(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+# ---------------------------------------------------------------- M1: a folder not shared
+
+
+def folder_per_node(base: str, shared_with_rank_0: list[int]) -> dict[str, Any]:
+    """Each rank gets its own folder, as on its own node, except the ranks listed, which
+    see rank 0's: rank 0 then misses the parts of the others."""
+    rank = dist.get_rank()
+    node = 0 if rank == 0 or rank in shared_with_rank_0 else rank
+    folder = os.path.join(base, f"node{node}")
+    os.makedirs(folder, exist_ok=True)
+    first = _caught(dist.collect_results, [f"r{rank}"], dist.get_world_size(), tmpdir=folder)
+    dist.barrier()  # every rank has cleaned up before the folders are listed
+    left = sorted(os.listdir(folder))
+    again = dist.collect_results([f"r{rank}"], dist.get_world_size())  # no stale state
+    return {"first": first, "left": left, "exists": os.path.isdir(folder), "again": again}
+
+
+def folder_missing_elsewhere(base: str) -> dict[str, Any]:
+    """Rank 0 creates its folder; rank 1's node does not have it."""
+    rank = dist.get_rank()
+    folder = os.path.join(base, f"missing{rank}")
+    first = _caught(dist.collect_results, [rank], 2, tmpdir=folder)
+    return {"first": first, "exists": os.path.exists(folder)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_folder_not_shared_raises_on_every_rank(
+    comm_run_distributed: Any, tmp_path: Path, world: int
+) -> None:
+    shared = [2] if world == 3 else []  # rank 2 shares rank 0's node: only rank 1 is unseen
+    out = comm_run_distributed(folder_per_node, str(tmp_path), shared, world_size=world)
+    for r in out:
+        name, message = r["first"]
+        assert name == "RemoteRankError", message
+        assert "collect_results failed on rank(s) 0" in message
+        assert "is not a folder shared by the ranks" in message
+        assert "rank 0 does not see the part file(s) of rank(s) 1 in it" in message
+        assert "tmpdir=None" in message
+        assert r["left"] == []  # every part file was removed, by rank 0 or by its writer
+        assert r["exists"]  # the user's folders stay
+        assert r["again"] == ([f"r{i}" for i in range(world)] if r is out[0] else None)
+
+
+def test_a_folder_only_rank_0_sees_raises_on_every_rank(
+    comm_run_distributed: Any, tmp_path: Path
+) -> None:
+    out = comm_run_distributed(folder_missing_elsewhere, str(tmp_path), world_size=2)
+    for r in out:
+        name, message = r["first"]
+        assert name == "RemoteRankError", message
+        assert "collect_results failed on rank(s) 1" in message
+        assert "rank 1 does not see the folder, which rank 0 has" in message
+    assert not out[0]["exists"]  # rank 0 created it, so rank 0 removed it
+    assert not out[1]["exists"]
+
+
+# ---------------------------------------------------------------- Minor 8: different paths
+
+
+def mixed_modes(base: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    tmpdir = base if rank == 0 else None  # rank 0 through a folder, the others by messages
+    first = _caught(dist.collect_results, [rank], 2, tmpdir=tmpdir)
+    devices = _caught(dist.collect_results, [rank], 2, device="cpu" if rank else "gpu")
+    again = dist.collect_results([rank], 2)
+    return {"first": first, "devices": devices, "again": again}
+
+
+def test_ranks_on_different_paths_get_a_mismatch_error(
+    comm_run_distributed: Any, tmp_path: Path
+) -> None:
+    out = comm_run_distributed(mixed_modes, str(tmp_path), world_size=2)
+    for rank, r in enumerate(out):
+        for key in ("first", "devices"):
+            name, message = r[key]
+            assert name == "CollectiveMismatchError", message
+            assert "the same device, and either every rank or no rank with a tmpdir" in message
+        assert r["again"] == ([0, 1] if rank == 0 else None)
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- M2, M3: "cpu:gloo" groups
+
+
+def subgroup_then_world(store_path: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    sub = torch_dist.new_group([1, 2])
+    if rank in (1, 2):
+        out["sub"] = dist.collect_results([f"r{rank}"], 2, group=sub)
+    everyone = torch_dist.new_group([0, 1, 2])  # hung when only [1, 2] made a twin group
+    value = torch.tensor([float(rank)])
+    torch_dist.all_reduce(value, group=everyone)
+    out["sum"] = value.item()
+    out["first"] = dist.collect_results([rank], 3)
+    dist.destroy_dist()
+    dist.init_dist("pytorch", "cpu:gloo", timeout=60, init_method=f"file://{store_path}")
+    out["after_reinit"] = dist.collect_results([rank * 10], 3)  # failed on a stale twin
+    out["objects"] = dist.all_gather_object(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cpu_gloo_world() -> Iterator[WorldPool]:
+    with WorldPool(3, backend="cpu:gloo", timeout=60) as pool:
+        yield pool
+
+
+def test_cpu_gloo_subgroup_and_reinit(cpu_gloo_world: WorldPool, tmp_path: Path) -> None:
+    out = cpu_gloo_world.run(subgroup_then_world, str(tmp_path / "store2"))
+    assert "sub" not in out[0]
+    assert out[1]["sub"] == ["r1", "r2"]  # rank 1 is rank 0 of the subgroup
+    assert out[2]["sub"] is None
+    for rank, r in enumerate(out):
+        assert r["sum"] == 0 + 1 + 2
+        assert r["first"] == ([0, 1, 2] if rank == 0 else None)
+        assert r["after_reinit"] == ([0, 10, 20] if rank == 0 else None)
+        assert r["objects"] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- M6: linear reassembly
+
+
+def test_chunk_buffer_copies_each_byte_once_and_keeps_chunks_as_received() -> None:
+    buffer = _stream.ChunkBuffer()
+    chunks = [bytes([i % 251]) * _stream.CHUNK_BYTES for i in range(64)]  # 8 MiB
+    for chunk in chunks:
+        buffer.append(chunk)
+    # appending never joins: the chunks are held as they came (no copy per chunk)
+    assert all(held is chunk for held, chunk in zip(buffer._chunks, chunks))
+    head = buffer.read(10)
+    big = bytearray(len(chunks) * _stream.CHUNK_BYTES - 10 - 5)
+    assert buffer.readinto(memoryview(big)) == len(big)
+    tail = buffer.read(100)  # only 5 bytes are left
+    expected = b"".join(chunks)
+    assert head + bytes(big) + tail == expected
+    assert buffer.size == 0
+    assert buffer.copied == len(expected)  # every byte copied out once: linear
+
+
+def test_chunk_buffer_reads_across_chunks_and_lines() -> None:
+    buffer = _stream.ChunkBuffer()
+    for piece in (b"ab", b"c\nde", b"", b"f", b"g\n", b"h"):
+        buffer.append(piece)
+    assert buffer.has_line()
+    assert buffer.readline() == b"abc\n"
+    assert buffer.read(3) == b"def"
+    assert buffer.readline() == b"g\n"
+    assert not buffer.has_line()
+    assert buffer.readline() == b"h"
+    assert buffer.read(4) == b""
+    assert buffer.copied == 10
+
+
+def big_inband_object(nbytes: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    payload = bytes([rank + 1]) * nbytes  # an in-band object: bytes are pickled in the stream
+    out = dist.collect_results([payload, f"after {rank}"], 4)
+    if out is None:
+        return {"out": None}
+    return {"out": [(len(item), item[:1]) if isinstance(item, bytes) else item for item in out]}
+
+
+def test_a_large_in_band_object_comes_back_whole(comm_run_distributed: Any) -> None:
+    nbytes = 24 * 1024 * 1024 + 3  # streamed in about 200 chunks
+    out = comm_run_distributed(big_inband_object, nbytes, world_size=2, timeout=120)
+    assert out[1]["out"] is None
+    assert out[0]["out"] == [(nbytes, b"\x01"), (nbytes, b"\x02"), "after 0", "after 1"]
+
+
+# ---------------------------------------------------------------- Security 22: private files
+
+
+def test_part_files_are_written_private_whatever_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0)
+    try:
+        path = str(tmp_path / "part.bin")
+        results._write_private(path, [1, "two", torch.arange(3)])
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert not os.path.exists(path + ".partial")
+    import numpy as np
+
+    from comm_collectives.serialization import decode
+
+    back = decode(np.fromfile(path, dtype=np.uint8))
+    assert back[:2] == [1, "two"]
+    assert back[2].tolist() == [0, 1, 2]

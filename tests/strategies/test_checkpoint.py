@@ -1,0 +1,151 @@
+"""The checkpoint contract on 2 real gloo ranks: every save x load pair, resume, errors.
+
+The worlds are shared: one module-scoped run saves a checkpoint under every wrapper kind
+(plus plain .pth files and DeepSpeed's own folders), then each test loads from that set.
+Set ``COMM_CKPT_MATRIX_OUT`` to a file path to get the measured matrix as markdown.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import ckpt_cases as cases
+
+EXACT = 1e-6
+PLAIN = ["bare.pth", "mmengine.pth"]
+NATIVE = ["ds_0", "ds_1", "ds_2", "ds_3"]
+
+
+@pytest.fixture(scope="module")
+def saved(comm_pools: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A folder with one checkpoint per kind, two plain files and DeepSpeed's folders."""
+    root = str(tmp_path_factory.mktemp("saved"))
+    pool = comm_pools.get(2)
+    pool.run(cases.save_every_kind, root, cases.KINDS, timeout=300)
+    pool.run(cases.write_plain_files, root, "fsdp2", timeout=60)
+    pool.run(cases.save_deepspeed_native, root, timeout=300)
+    yield root
+
+
+def _report(title: str, matrix: dict[str, dict[str, float]]) -> None:
+    out = os.environ.get("COMM_CKPT_MATRIX_OUT")
+    if not out:
+        return
+    sources = list(next(iter(matrix.values())))
+    lines = [f"### {title}", "", "| load into \\ saved by | " + " | ".join(sources) + " |"]
+    lines.append("|---" * (len(sources) + 1) + "|")
+    for target, row in matrix.items():
+        lines.append(f"| {target} | " + " | ".join(f"{row[s]:.1e}" for s in sources) + " |")
+    with open(out, "a") as handle:
+        handle.write("\n".join(lines) + "\n\n")
+
+
+def test_every_kind_loads_every_kind_world_2(comm_pools: Any, saved: str) -> None:
+    sources = cases.KINDS + PLAIN + NATIVE
+    results = comm_pools.get(2).run(
+        cases.load_every_kind, saved, sources, cases.KINDS, timeout=600
+    )
+    for matrix in results:
+        for target, row in matrix.items():
+            for source, diff in row.items():
+                assert diff <= EXACT, (source, target, diff)
+    _report("World 2: saved under a kind, loaded under another (max |diff| of parameters)", results[0])
+
+
+def test_loads_at_world_size_1(comm_pools: Any, saved: str) -> None:
+    """Saved by 2 ranks, loaded by 1: full files, DCP (resharded) and DeepSpeed (consolidated)."""
+    sources = cases.KINDS + PLAIN + NATIVE
+    targets = ["single", "fsdp2", "zero3"]
+    [matrix] = comm_pools.get(1).run(cases.load_every_kind, saved, sources, targets, timeout=600)
+    for target, row in matrix.items():
+        for source, diff in row.items():
+            assert diff <= EXACT, (source, target, diff)
+    _report("World 1: saved by 2 ranks, loaded by 1", matrix)
+
+
+def test_optimizer_state_crosses_between_torch_wrappers(comm_pools: Any, tmp_path: Path) -> None:
+    pairs = [
+        ("ddp", "fsdp"),
+        ("fsdp", "fsdp2"),
+        ("fsdp2", "ddp"),
+        ("ddp", "fsdp2"),
+        ("fsdp2", "zero0"),  # ZeRO-0 in fp32 steps the client torch optimizer
+    ]
+    for result in comm_pools.get(2).run(
+        cases.optimizer_crossing, str(tmp_path), pairs, timeout=300
+    ):
+        for pair, diff in result.items():
+            assert diff <= EXACT, (pair, diff)
+
+
+@pytest.mark.parametrize(
+    "kind", ["single", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
+)
+def test_resume_equals_the_run_that_never_stopped(
+    comm_pools: Any, tmp_path: Path, kind: str
+) -> None:
+    expected_format = {"fsdp": "dcp", "fsdp2": "dcp", "single": "full", "ddp": "full"}
+    for result in comm_pools.get(2).run(
+        cases.resume_equals_uninterrupted, str(tmp_path), kind, timeout=300
+    ):
+        assert result["diff"] == 0.0
+        assert result["moved"] > 1e-2  # the fresh model started elsewhere
+        assert result["draws"]
+        # StepLR(step_size=2, gamma=0.5) from 0.01: after steps 4, 5, 6.
+        assert result["lrs"][0] == result["lrs"][1] == [0.0025, 0.0025, 0.00125]
+        assert result["extra"] == {"step": 3, "note": "three steps"}
+        assert result["format"] == expected_format.get(kind, "deepspeed")
+        assert "rng/rank_0.pt" in result["files"]
+        assert "rng/rank_1.pt" in result["files"]
+
+
+def test_amp_scaler_state_round_trips(comm_pools: Any, tmp_path: Path) -> None:
+    for result in comm_pools.get(2).run(
+        cases.resume_equals_uninterrupted, str(tmp_path), "ddp", amp=True, timeout=300
+    ):
+        assert result["diff"] == 0.0
+        assert result["scaler"] is False  # bf16 autocast on CPU needs no scaler
+        assert result["draws"]
+
+
+def test_save_on_rank_0_alone_is_an_error_not_a_hang(comm_pools: Any, tmp_path: Path) -> None:
+    pool = comm_pools.get(2)
+    messages = pool.run(cases.rank0_alone, str(tmp_path), timeout=60)
+    assert "rank(s) [1] did not reach 'enter' within 2 s" in messages[0]
+    assert "Every rank must call save_checkpoint" in messages[0]
+    # Nothing was created, and the world is still usable.
+    assert pool.run(cases.rank0_alone_leaves_nothing, str(tmp_path), timeout=60) == [[], []]
+    # The ranks' call counts now differ (as after any failed collective): a fresh world.
+    pool.restart()
+
+
+def test_clear_errors_on_every_rank(comm_pools: Any, tmp_path: Path) -> None:
+    results = comm_pools.get(2).run(cases.errors_on_every_rank, str(tmp_path), timeout=120)
+    for result in results:
+        other = result["other_model"]
+        assert "does not fit this model" in other
+        assert "head.weight: checkpoint [2, 8], model [3, 8]" in other
+        assert "head.bias: checkpoint [2], model [3]" in other
+        truncated = result["truncated"]
+        assert "model.pt" in truncated and "truncated or corrupt" in truncated
+        assert "the ranks passed different paths" in result["paths"]
+        assert "ds_unsafe does not exist" in result["missing"]
+
+
+def test_full_state_functions_agree_across_wrappers(comm_pools: Any) -> None:
+    for result in comm_pools.get(2).run(cases.full_state_functions, timeout=120):
+        for kind, values in result.items():
+            assert values["model"] <= EXACT, kind
+            assert values["exp_avg"] <= EXACT, kind
+            assert values["names"], kind
+
+
+def test_deepspeed_files_need_the_opt_in(comm_pools: Any, saved: str) -> None:
+    for message in comm_pools.get(2).run(cases.deepspeed_without_opt_in, saved, timeout=120):
+        assert "allow_unsafe_pickle=True" in message
+        assert "zero2" in message

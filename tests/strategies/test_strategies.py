@@ -1,0 +1,115 @@
+"""Every strategy trains like the one-process oracle on 2 gloo ranks (parameters within 1e-6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from comm_strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    SingleDeviceStrategy,
+    available_strategies,
+    build_strategy,
+)
+
+from . import cases
+
+EXACT = 1e-6
+
+MATRIX: list[tuple[str, dict[str, Any]]] = [
+    ("single", {"loop": "update_params"}),  # a plain module has no train_step
+    ("ddp", {}),
+    ("ddp", {"accum": 2, "clip": 0.05, "loop": "update_params"}),
+    ("fsdp", {}),
+    ("fsdp", {"form": "built", "accum": 2, "clip": 0.05}),
+    ("fsdp2", {}),
+    ("fsdp2", {"form": "built", "accum": 2, "clip": 0.05, "loop": "update_params"}),
+    ("deepspeed", {"zero_stage": 0}),
+    ("deepspeed", {"zero_stage": 1, "form": "built"}),
+    ("deepspeed", {"zero_stage": 2, "accum": 2, "clip": 0.05}),
+    ("deepspeed", {"zero_stage": 3, "accum": 2, "clip": 0.05, "loop": "update_params"}),
+]
+
+
+def test_every_strategy_equals_the_oracle(run_distributed: Any) -> None:
+    results = run_distributed(cases.matrix, MATRIX, timeout=240)
+    for rank_results in results:
+        for (name, options), result in zip(MATRIX, rank_results):
+            label = f"{name} {options}"
+            assert result["oracle"] < EXACT, (label, result)
+            assert result["config_untouched"], label
+            # Built schedulers are kept (MMEngine's FSDP strategy drops them) and follow
+            # the optimizer the strategy rebuilt over the sharded parameters.
+            assert result["schedulers"] == 1, label
+            assert result["scheduler_follows"], label
+            assert result["lr"] == pytest.approx(0.1), label
+            assert result["unwrapped"] in ("Net", "FSDPNet"), label  # FSDP2 subclasses it
+
+
+def test_prepare_twice_setup_env_and_deepspeed_forms(run_distributed: Any, tmp_path: Any) -> None:
+    twice = run_distributed(cases.prepare_twice, "fsdp2", timeout=120)
+    assert all("prepare was called already" in message for message in twice)
+    facts = run_distributed(cases.setup_env_facts, timeout=60)
+    for rank, fact in enumerate(facts):
+        assert fact["before"] is None
+        assert fact["same_seed"]
+        assert fact["same_draw"]
+        assert fact["ranked"]
+        assert (fact["rank"], fact["world"], fact["distributed"]) == (rank, 2, True)
+        assert fact["owns_group"] is False  # the world existed: not ours to destroy
+    forms = run_distributed(cases.deepspeed_config_forms, str(tmp_path / "ds.json"), timeout=240)
+    for form in forms:
+        assert form["stage"] == 2  # the keyword wins over the file
+        assert form["diff"] < EXACT
+        assert form["bf16"] is True
+        assert form["bf16_params"] == {"torch.bfloat16"}
+        assert form["micro_batch"] == 4
+        assert "gradient_accumulation_steps=4" in form["conflict"]
+        assert "accumulative_counts is 2" in form["conflict"]
+
+
+def test_construction_has_no_side_effects_and_keeps_configs(tmp_path: Any) -> None:
+    import torch.distributed as torch_dist
+
+    config = {"zero_optimization": {"stage": 1, "overlap_comm": False}, "bf16": {"enabled": False}}
+    original = repr(config)
+    wrapper = {"auto_wrap_policy": {"type": "size_based_auto_wrap_policy", "min_num_params": 8}}
+    work = tmp_path / "work"
+    strategies = [
+        SingleDeviceStrategy(work_dir=work),
+        DDPStrategy(work_dir=work, model_wrapper={"find_unused_parameters": True}),
+        FSDPStrategy(work_dir=work, fsdp_version=2, model_wrapper=wrapper),
+        DeepSpeedStrategy(work_dir=work, config=config, zero_stage=3, bf16=True),
+        build_strategy({"type": "FSDPStrategy", "model_wrapper": wrapper}),
+    ]
+    assert not torch_dist.is_initialized()
+    assert not work.exists()
+    assert all(strategy.seed is None for strategy in strategies)
+    assert repr(config) == original
+    assert wrapper["auto_wrap_policy"]["type"] == "size_based_auto_wrap_policy"
+    assert strategies[3].config["zero_optimization"] == {"stage": 3, "overlap_comm": False}
+    assert strategies[3].zero_stage == 3
+
+
+def test_registry_names_and_errors() -> None:
+    assert isinstance(build_strategy("single"), SingleDeviceStrategy)
+    assert isinstance(build_strategy("DDPStrategy"), DDPStrategy)
+    assert build_strategy("fsdp").fsdp_version == 1
+    assert build_strategy("fsdp2").name == "fsdp2"
+    assert build_strategy("FSDPStrategy", fsdp_version=2).name == "fsdp2"
+    assert build_strategy("deepspeed", zero_stage=3).zero_stage == 3
+    spec = {"type": "DeepSpeedStrategy", "zero_stage": 2}
+    assert build_strategy(spec).zero_stage == 2
+    assert spec == {"type": "DeepSpeedStrategy", "zero_stage": 2}
+    built = build_strategy("ddp")
+    assert build_strategy(built) is built
+    with pytest.raises(KeyError, match=r"unknown strategy 'fdsp'\. Available names: .*fsdp2"):
+        build_strategy("fdsp")
+    with pytest.raises(ValueError, match="fsdp_version must be 1 or 2"):
+        build_strategy("fsdp", fsdp_version=3)
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
+        build_strategy("deepspeed", zero_stage=4)
+    assert {"single", "ddp", "fsdp", "fsdp2", "deepspeed"} <= set(available_strategies())
