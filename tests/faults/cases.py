@@ -188,7 +188,7 @@ def killed_rank(name: str, stage: str, folder: str) -> str:
     in ``folder``, since the world ends with the victim."""
     rank, world = dist.get_rank(), dist.get_world_size()
     victim = world - 1
-    protocol._LIVENESS_WAIT_S = 1.5  # the survivors' wait for the others' liveness marks
+    protocol._LIVENESS_WAIT_S = 1.0  # the survivors' wait for the others' liveness marks
 
     def die(at: str, operation: str) -> None:
         if at == stage:
