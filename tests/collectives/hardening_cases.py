@@ -9,7 +9,7 @@ import torch
 import torch.distributed as torch_dist
 
 import comm_collectives as dist
-from comm_collectives import protocol
+from comm_collectives import _protocol as protocol
 from comm_core import CollectiveMismatchError, RemoteRankError
 
 N = 200  # elements: the largest dtype (16 bytes) fits the first inline capacity (4 KiB)

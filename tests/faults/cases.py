@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import comm_collectives as dist
-from comm_collectives import protocol
+from comm_collectives import _protocol as protocol
 from comm_core import CollectiveMismatchError, CommTimeoutError, RemoteRankError
 
 # fault kinds: a bad argument, a local failure before the handshake ("local") or after it

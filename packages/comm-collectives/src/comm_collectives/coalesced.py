@@ -18,7 +18,7 @@ import torch.distributed as torch_dist
 
 from comm_core import CollectiveMismatchError, get_world_size
 
-from .protocol import (
+from ._protocol import (
     Header,
     Inline,
     agree,

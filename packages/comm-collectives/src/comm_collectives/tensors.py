@@ -2,7 +2,7 @@
 
 Each moves the data to the communication device of the group and back, keeps the caller's
 dtype and device, works in a plain process (a world of one), and starts with the handshake
-of ``comm_collectives.protocol``, so a mismatch raises on every rank instead of hanging.
+of ``comm_collectives._protocol``, so a mismatch raises on every rank instead of hanging.
 Data that fits the handshake frame travels inside it: one collective in all, and a small
 reduction is then done locally in rank order, so every rank gets bit-identical results.
 """
@@ -17,8 +17,8 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_rank, get_world_size
 
-from .buffers import empty_bytes
-from .protocol import (
+from ._buffers import empty_bytes
+from ._protocol import (
     REDUCE_OPS,
     Header,
     Inline,
@@ -294,7 +294,7 @@ def prepare_reduction(
     """Allocate the long path of reducing ``parts`` as one flat buffer (see ``_Reduction``).
 
     It may raise (a device move, an allocation): the caller then passes the error to
-    [`agree`][comm_collectives.protocol.agree] before any data moves.
+    [`agree`][comm_collectives._protocol.agree] before any data moves.
     """
     local_fault("staging", operation)
     return _Reduction(parts, op, group, operation)
@@ -305,7 +305,7 @@ def reduce_inplace(
 ) -> None:
     """Reduce ``tensor`` across ``group`` in place, after the handshake (the caller did it).
 
-    The buffers are prepared first and a second vote ([`agree`][comm_collectives.protocol.agree])
+    The buffers are prepared first and a second vote ([`agree`][comm_collectives._protocol.agree])
     makes a local failure there raise on every rank. ``mean`` of an integer tensor is exact:
     the sums are reduced in int64 and the result is stored only when every element divides
     evenly; otherwise a ValueError (the same on every rank, since every rank holds the same

@@ -30,10 +30,10 @@ incompatible versions of comm-collectives get a clear error instead of a misread
 
 Work that can only fail after the handshake (allocating receive buffers for sizes the
 headers gave, staging data on the communication device) is followed by a second, one-word
-vote ([`agree`][comm_collectives.protocol.agree]) before any data moves, so such a failure
+vote ([`agree`][comm_collectives._protocol.agree]) before any data moves, so such a failure
 also raises on every rank. A peer lost in the middle of a call (a killed process) turns
 the backend's transport error into a [`RemoteRankError`][comm_core.RemoteRankError] that
-names the lost rank ([`transport`][comm_collectives.protocol.transport]).
+names the lost rank ([`transport`][comm_collectives._protocol.transport]).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ fault_hook: Callable[[str, str], None] | None = None
 
 
 def local_fault(stage: str, operation: str) -> None:
-    """Run the test hook [`fault_hook`][comm_collectives.protocol.fault_hook], if set."""
+    """Run the test hook [`fault_hook`][comm_collectives._protocol.fault_hook], if set."""
     if fault_hook is not None:
         fault_hook(stage, operation)
 
