@@ -212,3 +212,28 @@ def unchecked_cases() -> dict[str, Any]:
         with dist.debug_mode():  # debug mode turns the checks back on
             out["debug"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
     return out
+
+
+def side_channel_subgroups() -> dict[str, Any]:
+    """Headers on the CPU route with subgroups that only some ranks use, then a group of
+    every rank: no group creation may depend on which groups a rank made before."""
+    rank = dist.get_rank()
+    saved = protocol.side_channel
+    protocol.side_channel = True
+    try:
+        pair = torch_dist.new_group([0, 1])
+        out: dict[str, Any] = {}
+        if rank in (0, 1):
+            t = torch.tensor([float(rank + 1)])
+            dist.all_reduce(t, group=pair)
+            out["pair"] = float(t)
+        everyone = torch_dist.new_group([0, 1, 2])
+        out["everyone"] = dist.all_gather_object(rank * 10, group=everyone)
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
+        out["default"] = float(t)
+        torch_dist.destroy_process_group(pair)
+        torch_dist.destroy_process_group(everyone)
+        return out
+    finally:
+        protocol.side_channel = saved

@@ -161,3 +161,12 @@ def test_unchecked_calls_issue_only_the_backend_collective(
         assert r["dict"] == (total - world, [total - world, world], 2)
         assert r["params"] == [[float(world - 1)] * 2, [world - 1]]
         assert r["debug"] == "CollectiveMismatchError"
+
+
+def test_side_channel_with_subgroups_some_ranks_use(run_distributed: Any) -> None:
+    results = run_distributed(hardening_cases.side_channel_subgroups, world_size=3)
+    for rank, r in enumerate(results):
+        if rank < 2:
+            assert r["pair"] == 3.0
+        assert r["everyone"] == [0, 10, 20]
+        assert r["default"] == 3.0

@@ -397,7 +397,10 @@ def header_route(
     use = side_channel if side_channel is not None else device.type != "cpu"
     if not use:
         return group, device
-    return _side_group(group), torch.device("cpu")
+    side = _side_group(group)
+    if side is None:  # a pure nccl subgroup: no CPU group of its members
+        return group, device
+    return side, torch.device("cpu")
 
 
 def _has_cpu_backend(pg: torch_dist.ProcessGroup) -> bool:
@@ -408,31 +411,27 @@ def _has_cpu_backend(pg: torch_dist.ProcessGroup) -> bool:
     return True
 
 
-def _side_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup:
+def _side_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup | None:
+    """The CPU group that carries the headers of ``group`` (``group`` itself when it has a
+    CPU backend of its own, as "cpu:gloo,cuda:nccl" groups do).
+
+    The side group of the default group is a gloo group of every rank, created at the
+    first call on the default group: every rank makes that call at the same point of its
+    program, as torch requires of ``new_group``. A subgroup without a CPU backend (a pure
+    nccl subgroup) has no side group, since its non-members never make its calls: its
+    headers stay on the device.
+    """
     c10d = torch_dist.distributed_c10d
-    pg = group if group is not None and group is not torch_dist.group.WORLD else None
-    pg = pg or c10d._get_default_group()
-    if side_channel is None and _has_cpu_backend(pg):  # "cpu:gloo,cuda:nccl": its gloo part
+    default = c10d._get_default_group()
+    pg = default if group is None or group is torch_dist.group.WORLD else group
+    if pg is not default:
+        return pg if _has_cpu_backend(pg) else None
+    if side_channel is None and _has_cpu_backend(pg):
         return pg
     side = _side_groups.get(pg)
-    if side is not None and side in c10d._world.pg_map:
-        return side
-    ranks = torch_dist.get_process_group_ranks(pg)
-    # created by the members only (every rank of the group makes this call now), under a
-    # name derived from the ranks: a gloo group of the same ranks made that way is reused
-    name = c10d._hash_ranks_to_str(ranks)
-    side = next((g for g, n in c10d._world.pg_names.items() if n == name), None)
-    if side is None:
-        side = torch_dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-    elif not _has_cpu_backend(side):
-        message = (
-            f"comm-collectives needs a CPU (gloo) side group for the headers of ranks "
-            f"{ranks}, and a group of those ranks created with use_local_synchronization=True "
-            "and no CPU backend already holds its name; create that group with "
-            'backend="cpu:gloo,cuda:nccl" instead.'
-        )
-        raise RuntimeError(message)
-    _side_groups[pg] = side
+    if side is None or side not in c10d._world.pg_map:
+        side = torch_dist.new_group(backend="gloo")
+        _side_groups[pg] = side
     return side
 
 
