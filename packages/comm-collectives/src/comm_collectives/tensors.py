@@ -391,8 +391,11 @@ def _gather_layout(
     group: torch_dist.ProcessGroup | None,
     root: int = -1,
     error: BaseException | None = None,
+    keep: bool = True,
 ) -> tuple[list[tuple[int, ...]], list[torch.Tensor] | None]:
-    """Every rank's shape, and every rank's tensor when all came inline (else None)."""
+    """Every rank's shape, and every rank's tensor when all came inline (else None; an
+    empty list when they came inline but ``keep`` is False: a rank that returns nothing
+    copies nothing)."""
     ok = error is None
     peers = handshake(
         Header(
@@ -412,6 +415,8 @@ def _gather_layout(
     rows = _inline_rows(peers, data.dtype)
     if rows is None:
         return shapes, None
+    if not keep:
+        return shapes, []
     # copies: a result must not keep the whole handshake table alive
     return shapes, [r.view(s).to(data.device, copy=True) for r, s in zip(rows, shapes)]
 
@@ -533,10 +538,10 @@ def gather(
         _local_checks("gather", data, lambda: _check_root("gather", dst, group, "dst"))
         return [data]
     error = _checked("gather", data, lambda: _check_root("gather", dst, group, "dst"))
-    shapes, inline = _gather_layout("gather", data, group, root=dst, error=error)
     me = get_rank(group)
+    shapes, inline = _gather_layout("gather", data, group, root=dst, error=error, keep=me == dst)
     if inline is not None:
-        return inline if me == dst else []
+        return inline
     device = get_comm_device(group)
     width = max(_numel(s) for s in shapes)
     if width == 0:
