@@ -786,13 +786,19 @@ def _transport_error(
     return RemoteRankError(operation, failures)
 
 
+_transport_failures: dict[str, int] = {}
+
+
 def _silent_ranks(group: torch_dist.ProcessGroup | None) -> list[int] | None:
     """The ranks of ``group`` that do not show up in the store within a few seconds
     (None when the store cannot be reached)."""
     pg = group if group is not None else torch_dist.distributed_c10d._get_default_group()
     name = str(getattr(pg, "group_name", "default"))
     world, me = get_world_size(group), get_rank(group)
-    prefix = f"comm/alive/{name}/"
+    # numbered: marks left by an earlier failure on this group (that every rank saw)
+    # must not pass for marks of this one
+    seen = _transport_failures[name] = _transport_failures.get(name, 0) + 1
+    prefix = f"comm/alive/{name}/{seen}/"
     try:
         store = torch_dist.distributed_c10d._get_default_store()
         store.set(f"{prefix}{me}", "1")
