@@ -211,7 +211,7 @@ def test_part_files_are_written_private_whatever_the_umask(tmp_path: Path) -> No
     assert not os.path.exists(path + ".partial")
     import numpy as np
 
-    from comm_collectives.serialization import decode
+    from comm_collectives._serialization import decode
 
     back = decode(np.fromfile(path, dtype=np.uint8))
     assert back[:2] == [1, "two"]

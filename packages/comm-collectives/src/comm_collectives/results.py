@@ -29,8 +29,7 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_cpu_group, get_rank, get_world_size
 
-from ._stream import POST_AHEAD_BYTES, PartReader, PartWriter, PeerFailedError
-from .protocol import (
+from ._protocol import (
     Header,
     Inline,
     Peer,
@@ -39,7 +38,8 @@ from .protocol import (
     raise_everywhere,
     signature_of,
 )
-from .serialization import decode, dump, encode
+from ._serialization import decode, dump, encode
+from ._stream import POST_AHEAD_BYTES, PartReader, PartWriter, PeerFailedError
 from .tensors import global_rank
 
 __all__ = ["collect_results", "collect_results_cpu", "collect_results_gpu"]
