@@ -185,10 +185,9 @@ def mmengine_ddp(workdir: str) -> Step:
         model_wrapper={"type": "MMDistributedDataParallel", "device_ids": None},
         env_kwargs={"dist_cfg": {"backend": "gloo"}},
     )
-    model, optim, _ = strategy.prepare(
+    model, optim = strategy.prepare(  # MMEngine returns no schedulers when none are given
         mm_model(),
         optim_wrapper={"type": "OptimWrapper", "optimizer": {"type": "AdamW", "lr": 1e-3}},
-        param_scheduler=None,
     )
 
     def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -284,7 +283,19 @@ def main() -> int:
     parser.add_argument("--no-bind", action="store_true", help="do not bind ranks to cores")
     args = parser.parse_args()
     repeats, steps = (2, 2) if args.smoke else (args.repeats, args.steps)
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    os.environ.update(env)
+    # Imported here first, once: mmengine writes yapf's grammar cache on its first import,
+    # and two ranks doing that at once may read each other's half-written file.
+    for module in ("mmengine.model", "deepspeed"):
+        try:
+            __import__(module)
+        except ImportError:
+            pass
+    # The ranks import this file as a module (its folder is on their sys.path) to find
+    # the function by name.
+    from bench_strategies import run_rank
+
     with WorldPool(2, timeout=900, env=env) as pool:
         result = pool.run(run_rank, args.smoke, repeats, steps, not args.no_bind, timeout=900)[0]
     text = to_markdown(result, repeats, steps)

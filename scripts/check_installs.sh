@@ -192,3 +192,25 @@ if [ "$plain_status" -ne 0 ] || [ "$deepspeed_status" -ne 0 ]; then
   exit 1
 fi
 log "install checks passed in $(( $(date +%s) - start )) s"
+
+# ---------------------------------------------------------------- comm-strategies
+# comm-strategies from its wheel into the environments above (the wrappers' checks left
+# them): its data file must be in the wheel, and the demo runs single, ddp and fsdp2 for
+# one epoch on 2 local ranks; with the deepspeed extra, DeepSpeed too.
+if compgen -G "dist/comm_strategies-*.whl" >/dev/null; then
+  strategies_wheel=$(wheel_of comm_strategies)
+  t0=$(date +%s)
+  log "install check: comm-strategies (and [deepspeed]) from the wheel"
+  pip_into "$base/plain" --find-links "$ROOT/dist" "$strategies_wheel"
+  timeout 120 "$PYTHON" -m pip --python "$base/plain/bin/python" check
+  env -u PYTHONDONTWRITEBYTECODE PATH="$base/plain/bin:$PATH" timeout 300 \
+    "$base/plain/bin/python" -m comm_strategies.demo --epochs 1 --strategies single ddp fsdp2
+  pip_into "$base/deepspeed" --no-build-isolation --find-links "$ROOT/dist" \
+    "${strategies_wheel}[deepspeed]"
+  timeout 120 "$PYTHON" -m pip --python "$base/deepspeed/bin/python" check
+  extensions=$(find "$ROOT/.tools/torch-extensions/install-check" -mindepth 1 -maxdepth 1 -type d | head -1)
+  env -u PYTHONDONTWRITEBYTECODE PATH="$base/deepspeed/bin:$PATH" \
+    TORCH_EXTENSIONS_DIR="${extensions:-$ROOT/.tools/torch-extensions/install-check/strategies}" \
+    timeout 300 "$base/deepspeed/bin/python" -m comm_strategies.demo --epochs 1 --strategies deepspeed
+  log "comm-strategies: installed and checked in $(( $(date +%s) - t0 )) s"
+fi

@@ -11,9 +11,8 @@ from __future__ import annotations
 import ast
 import re
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["comm-core", "comm-collectives", "comm-wrappers", "comm-strategies"]

@@ -26,6 +26,7 @@ log "docstring examples: comm-collectives"; hatch run collectives:doctest
 log "docstring examples: comm-wrappers (comm_wrappers.deepspeed skipped: no DeepSpeed)"
 hatch run wrappers:doctest
 log "docstring examples: comm-wrappers with the deepspeed extra"; hatch run deepspeed:doctest
+log "docstring examples: comm-strategies";  hatch run strategies:doctest
 log "runnable code blocks of the docs";     hatch run deepspeed:examples
 log "tests: comm-core (environment without the upper layers)"
 hatch run core:test
@@ -52,6 +53,11 @@ log "benchmark smoke run: wrappers (against raw loops and MMEngine, DeepSpeed in
 if ! hatch run deepspeed:bench-wrappers --smoke --out "$ROOT/.tools/bench-wrappers-smoke"; then
   log "wrappers benchmark smoke run failed (report above); running it once more"
   hatch run deepspeed:bench-wrappers --smoke --out "$ROOT/.tools/bench-wrappers-smoke"
+fi
+log "benchmark smoke run: strategies (against raw loops and MMEngine's DDPStrategy)"
+if ! hatch run strategies:bench-strategies --smoke --out "$ROOT/.tools/bench-strategies-smoke"; then
+  log "strategies benchmark smoke run failed (report above); running it once more"
+  hatch run strategies:bench-strategies --smoke --out "$ROOT/.tools/bench-strategies-smoke"
 fi
 log "benchmark smoke run: checkpoints (against torch.save, DCP, engine.save_checkpoint)"
 if ! hatch run strategies:bench-checkpoint --smoke --out "$ROOT/.tools/bench-checkpoint-smoke"; then

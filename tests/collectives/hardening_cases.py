@@ -9,7 +9,7 @@ import torch
 import torch.distributed as torch_dist
 
 import comm_collectives as dist
-from comm_collectives import protocol
+from comm_collectives import _protocol as protocol
 from comm_core import CollectiveMismatchError, RemoteRankError
 
 N = 200  # elements: the largest dtype (16 bytes) fits the first inline capacity (4 KiB)
@@ -174,6 +174,66 @@ def side_channel_counts() -> dict[str, Any]:
         out["mismatch"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
         out["remote"] = _caught(dist.all_reduce, torch.ones(2), op="avg" if rank else "sum")[0]
         out["same_side"] = protocol.header_route(group)[0] is side
+        return out
+    finally:
+        protocol.side_channel = saved
+
+
+def unchecked_cases() -> dict[str, Any]:
+    """The unchecked path: the backend's own collective, one per call, right values."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = torch_dist.distributed_c10d._get_default_group()
+    out: dict[str, Any] = {}
+    with dist.unchecked():
+        before = group._get_sequence_number_for_group()
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, op="mean")
+        out["all_reduce"] = (t.tolist(), group._get_sequence_number_for_group() - before)
+        ints = torch.tensor([2 * rank, 4], dtype=torch.int32)
+        dist.all_reduce(ints, op="mean")
+        out["int_mean"] = (ints.tolist(), str(ints.dtype))
+        flags = torch.tensor([rank == 0, False])
+        dist.all_reduce(flags, op="max")
+        out["bool"] = flags.tolist()
+        b = torch.full((2,), float(rank))
+        dist.broadcast(b, src=world - 1)
+        out["broadcast"] = b.tolist()
+        d = {"a": torch.tensor(float(rank)), "n": torch.tensor([rank, 1])}
+        before = group._get_sequence_number_for_group()
+        dist.all_reduce_dict(d)
+        out["dict"] = (
+            float(d["a"]),
+            d["n"].tolist(),
+            group._get_sequence_number_for_group() - before,
+        )
+        params = [torch.ones(2) * rank, torch.tensor([rank], dtype=torch.int64)]
+        dist.all_reduce_params(params, op="max")
+        out["params"] = [p.tolist() for p in params]
+        with dist.debug_mode():  # debug mode turns the checks back on
+            out["debug"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
+    return out
+
+
+def side_channel_subgroups() -> dict[str, Any]:
+    """Headers on the CPU route with subgroups that only some ranks use, then a group of
+    every rank: no group creation may depend on which groups a rank made before."""
+    rank = dist.get_rank()
+    saved = protocol.side_channel
+    protocol.side_channel = True
+    try:
+        pair = torch_dist.new_group([0, 1])
+        out: dict[str, Any] = {}
+        if rank in (0, 1):
+            t = torch.tensor([float(rank + 1)])
+            dist.all_reduce(t, group=pair)
+            out["pair"] = float(t)
+        everyone = torch_dist.new_group([0, 1, 2])
+        out["everyone"] = dist.all_gather_object(rank * 10, group=everyone)
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
+        out["default"] = float(t)
+        torch_dist.destroy_process_group(pair)
+        torch_dist.destroy_process_group(everyone)
         return out
     finally:
         protocol.side_channel = saved

@@ -19,7 +19,7 @@ def no_host_sync() -> dict[str, Any]:
     import torch.distributed as torch_dist
 
     import comm_collectives as dist
-    from comm_collectives import protocol
+    from comm_collectives import _protocol as protocol
 
     rank = dist.get_rank()
     group = torch_dist.distributed_c10d._get_default_group()

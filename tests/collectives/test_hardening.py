@@ -145,3 +145,28 @@ def test_headers_can_travel_on_a_cpu_side_group(run_distributed: Any) -> None:
         assert r["mismatch"] == "CollectiveMismatchError"
         assert r["remote"] == "RemoteRankError"
         assert r["same_side"] is True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unchecked_calls_issue_only_the_backend_collective(
+    run_distributed: Any, world: int
+) -> None:
+    total = world * (world + 1) / 2
+    for r in run_distributed(hardening_cases.unchecked_cases, world_size=world):
+        assert r["all_reduce"] == ([total / world] * 3, 1)
+        assert r["int_mean"] == ([world - 1, 4], "torch.int32")
+        assert r["bool"] == [True, False]
+        assert r["broadcast"] == [float(world - 1)] * 2
+        # one all-reduce per dtype: float32 and int64
+        assert r["dict"] == (total - world, [total - world, world], 2)
+        assert r["params"] == [[float(world - 1)] * 2, [world - 1]]
+        assert r["debug"] == "CollectiveMismatchError"
+
+
+def test_side_channel_with_subgroups_some_ranks_use(run_distributed: Any) -> None:
+    results = run_distributed(hardening_cases.side_channel_subgroups, world_size=3)
+    for rank, r in enumerate(results):
+        if rank < 2:
+            assert r["pair"] == 3.0
+        assert r["everyone"] == [0, 10, 20]
+        assert r["default"] == 3.0

@@ -8,7 +8,7 @@ import torch
 
 import comm_collectives as dist
 import comm_core
-from comm_collectives.serialization import decode, encode, frame_pieces
+from comm_collectives._serialization import decode, encode, frame_pieces
 
 
 def test_comm_core_api_is_re_exported() -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from comm_collectives import buffers
+from comm_collectives import _buffers as buffers
 
 from . import transport_cases
 
@@ -112,7 +112,7 @@ def test_cache_limit_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_decoded_arrays_keep_their_buffer_alive() -> None:
-    from comm_collectives.serialization import decode, encode
+    from comm_collectives._serialization import decode, encode
 
     buffers.empty_cache()
     encoded = encode({"a": np.arange(1 << 19, dtype=np.float32), "t": torch.ones(1 << 18)})
@@ -184,7 +184,7 @@ def test_broadcast_sends_large_pieces_from_their_own_memory(
 
 
 def test_frame_ranges_join_to_the_whole_frame_with_zeroed_padding() -> None:
-    from comm_collectives.serialization import encode, frame_offsets, head_lengths
+    from comm_collectives._serialization import encode, frame_offsets, head_lengths
 
     encoded = encode({"a": np.arange(1000, dtype=np.int16), "t": torch.ones(37), "s": "x" * 333})
     whole = np.full(encoded.nbytes, 0xAB, dtype=np.uint8)
@@ -227,8 +227,8 @@ def test_broadcast_plan_by_hand() -> None:
 
 
 def test_a_padded_frame_sends_nothing_stale() -> None:
+    from comm_collectives._serialization import encode
     from comm_collectives.objects import _send_tensor
-    from comm_collectives.serialization import encode
 
     width = 3 << 20
     encoded = encode({"a": np.arange(1000, dtype=np.int64)})

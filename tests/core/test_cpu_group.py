@@ -66,6 +66,15 @@ def forced_twins(store_path: str) -> dict[str, Any]:
                 out["non_member_size"] = str(exc)
         everyone = torch_dist.new_group([0, 1, 2])  # the groups of every rank still line up
         out["sum_after"] = _sum_of_ranks(everyone)
+        # rank 1 made the twin of [1, 2], rank 0 did not: they know different numbers of
+        # groups, so torch would name a twin of [0, 1] differently on each (a hang until
+        # the timeout); both get a clear error instead
+        pair = torch_dist.new_group([0, 1])
+        if rank in (0, 1):
+            try:
+                dist.get_cpu_group(pair)
+            except ValueError as exc:
+                out["uneven"] = str(exc)
         old = dist.get_cpu_group()
         out["default_twin_sum"] = _sum_of_ranks(old)
         dist.destroy_dist()
@@ -105,6 +114,9 @@ def test_twins_are_made_by_members_only_and_renewed_after_reinit(
         assert r["sub_twin_ranks"] == [1, 2]
         assert r["sub_twin_sum"] == 1 + 2
         assert r["sub_twin_reused"]
+    for rank in (0, 1):
+        message = results[rank]["uneven"]
+        assert "the members of group [0, 1] know different numbers of process groups" in message
     for r in results:
         assert r["sum_after"] == 0 + 1 + 2
         assert r["default_twin_sum"] == 0 + 1 + 2

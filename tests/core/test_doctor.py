@@ -49,9 +49,11 @@ def test_doctor_spawns_ranks_and_prints_a_row_per_rank(tmp_path: Path) -> None:
 
 
 def test_doctor_in_a_plain_process(tmp_path: Path) -> None:
-    _, reports = _doctor(tmp_path=tmp_path)
+    # run as a script (__main__), as under a launcher: a plugin's CheckResult still counts
+    _, reports = _doctor("--check", "tests.core.kit_helpers:custom_check", tmp_path=tmp_path)
     assert len(reports) == 1
     assert (reports[0]["rank"], reports[0]["world"], reports[0]["backend"]) == (0, 1, "none")
+    assert [c["name"] for c in reports[0]["checks"]] == ["barrier", "all_reduce", "custom"]
     assert all(c["ok"] for c in reports[0]["checks"])
 
 

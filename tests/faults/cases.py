@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import comm_collectives as dist
-from comm_collectives import protocol
+from comm_collectives import _protocol as protocol
 from comm_core import CollectiveMismatchError, CommTimeoutError, RemoteRankError
 
 # fault kinds: a bad argument, a local failure before the handshake ("local") or after it
@@ -188,7 +188,7 @@ def killed_rank(name: str, stage: str, folder: str) -> str:
     in ``folder``, since the world ends with the victim."""
     rank, world = dist.get_rank(), dist.get_world_size()
     victim = world - 1
-    protocol._LIVENESS_WAIT_S = 1.5  # the survivors' wait for the others' liveness marks
+    protocol._LIVENESS_WAIT_S = 1.0  # the survivors' wait for the others' liveness marks
 
     def die(at: str, operation: str) -> None:
         if at == stage:

@@ -211,8 +211,18 @@ def test_part_files_are_written_private_whatever_the_umask(tmp_path: Path) -> No
     assert not os.path.exists(path + ".partial")
     import numpy as np
 
-    from comm_collectives.serialization import decode
+    from comm_collectives._serialization import decode
 
     back = decode(np.fromfile(path, dtype=np.uint8))
     assert back[:2] == [1, "two"]
     assert back[2].tolist() == [0, 1, 2]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs chown")
+def test_a_part_file_of_another_user_is_not_unpickled(tmp_path: Path) -> None:
+    path = str(tmp_path / "part.bin")
+    results._write_private(path, ["mine"])
+    results._check_owner(path)  # this user's own file passes
+    os.chown(path, os.getuid() + 4242, -1)
+    with pytest.raises(PermissionError, match=f"belongs to user id {os.getuid() + 4242}"):
+        results._check_owner(path)

@@ -185,3 +185,42 @@ def deepspeed_config_forms(path: str) -> dict[str, Any]:
         "bf16_params": {str(p.dtype) for p in model2.model.module.parameters()},
         "conflict": conflict_message,
     }
+
+
+def strategy_checkpoints(folder: str) -> dict[str, Any]:
+    """Save through one strategy, resume and load through others (the contract underneath)."""
+    work = f"{folder}/work"
+    first = build_strategy("fsdp2", seed=0, work_dir=work)
+    model, optim, _ = first.prepare(make_net(), optim_wrapper={"optimizer": dict(SGD)})
+    for step in range(2):
+        model.train_step(batch(step, 0, dist.get_rank()), optim)
+    saved = first.save_checkpoint("step_2", extra={"step": 2})
+    state = first.model_state_dict()
+    optim_state = first.optim_state_dict()
+    second = build_strategy("ddp", seed=1, work_dir=work)
+    model2, optim2, _ = second.prepare(make_net(), optim_wrapper={"optimizer": dict(SGD)})
+    extra = second.resume()  # the latest complete checkpoint under work_dir
+    after_resume = max_diff(full_params(model2), full_params(model))
+    # One more step on both: the optimizer state (momentum) came along.
+    model.train_step(batch(2, 0, dist.get_rank()), optim)
+    model2.train_step(batch(2, 0, dist.get_rank()), optim2)
+    after_step = max_diff(full_params(model2), full_params(model))
+    third = build_strategy("deepspeed", zero_stage=3, seed=2)
+    model3, _, _ = third.prepare(make_net(), optim_wrapper={"optimizer": dict(SGD)})
+    third.load_checkpoint(saved)  # weights only
+    weights = max_diff(
+        full_params(model3), {k: v for k, v in state.items() if k in full_params(model3)}
+    )
+    fourth = build_strategy("fsdp", seed=3)
+    model4, _, _ = fourth.prepare(make_net(), optim_wrapper={"optimizer": dict(SGD)})
+    fourth.load_model_state_dict(state)
+    fourth.load_optim_state_dict(optim_state)
+    return {
+        "path": str(saved),
+        "extra": extra,
+        "after_resume": after_resume,
+        "after_step": after_step,
+        "deepspeed_weights": weights,
+        "fsdp1_state": max_diff(full_params(model4), {k: state[k] for k in full_params(model4)}),
+        "state_keys": sorted(state),
+    }

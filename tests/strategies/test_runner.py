@@ -16,7 +16,8 @@ STRATEGIES = [
     {"type": "CommDDPStrategy"},
     {"type": "CommFSDPStrategy"},
     {"type": "CommFSDPStrategy", "fsdp_version": 2},
-    {"type": "CommDeepSpeedStrategy", "zero_stage": 2},
+    # DeepSpeed's own files need full unpickling: the runner's resume needs the opt-in.
+    {"type": "CommDeepSpeedStrategy", "zero_stage": 2, "allow_unsafe_pickle": True},
 ]
 CHECKPOINTS = importlib.util.find_spec("comm_strategies.checkpoint") is not None
 
@@ -61,3 +62,19 @@ def test_the_adapters_are_registered_and_build_nothing_at_construction() -> None
     assert strategy.config["train_micro_batch_size_per_gpu"] == 4
     assert strategy.zero_stage == 3
     assert not torch_dist.is_initialized()
+
+
+def run_single(with_checkpoints: bool) -> dict[str, Any]:
+    spec = {"type": "CommSingleDeviceStrategy"}
+    return runner_cases.train_validate(spec, runner_cases.work_dir(), with_checkpoints)
+
+
+def test_flexible_runner_with_the_single_device_strategy(run_distributed: Any) -> None:
+    (result,) = run_distributed(run_single, CHECKPOINTS, world_size=1, timeout=180)
+    assert result["strategy"] == "CommSingleDeviceStrategy"
+    assert result["accuracy"] >= 0.75
+    assert result["lr"] == pytest.approx(0.1)
+    if CHECKPOINTS:
+        assert result["saved_hooks"] == 2
+        assert result["loaded_hooks"] == [43]
+        assert result["resumed_epoch"] == 3

@@ -113,3 +113,17 @@ def test_registry_names_and_errors() -> None:
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
         build_strategy("deepspeed", zero_stage=4)
     assert {"single", "ddp", "fsdp", "fsdp2", "deepspeed"} <= set(available_strategies())
+
+
+def test_checkpoints_through_the_strategies(run_distributed: Any, tmp_path: Any) -> None:
+    folder = str(tmp_path)
+    for result in run_distributed(cases.strategy_checkpoints, folder, timeout=240):
+        assert result["path"] == f"{folder}/work/step_2"  # relative to work_dir
+        assert result["extra"] == {"step": 2}
+        assert result["after_resume"] == 0.0  # FSDP2's checkpoint resumed under DDP
+        assert result["after_step"] < EXACT  # with the optimizer's momentum
+        assert result["deepspeed_weights"] == 0.0  # loaded into ZeRO-3
+        assert result["fsdp1_state"] == 0.0
+        assert result["state_keys"] == [
+            "head.bias", "head.weight", "lin1.bias", "lin1.weight", "lin2.bias", "lin2.weight",
+        ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""comm-collectives: collectives that never hang, and the whole comm-core API.
+"""comm-collectives: collectives that fail on every rank together, and the comm-core API.
 
 ``import comm_collectives as dist`` replaces ``mmengine.dist``.
 
@@ -12,10 +12,10 @@ from comm_core import *  # noqa: F403 - the whole comm-core API is part of this 
 from comm_core import __all__ as _core_all
 
 from .__about__ import __version__
-from .buffers import empty_cache
+from ._buffers import empty_cache
+from ._protocol import debug_enabled, debug_mode, unchecked
 from .coalesced import all_reduce_dict, all_reduce_params
 from .objects import all_gather_object, broadcast_object_list, gather_object
-from .protocol import debug_enabled, debug_mode
 from .results import collect_results, collect_results_cpu, collect_results_gpu
 from .tensors import all_gather, all_reduce, broadcast, gather, sync_random_seed
 
@@ -38,4 +38,5 @@ __all__ = [
     "gather",
     "gather_object",
     "sync_random_seed",
+    "unchecked",
 ]

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from .buffers import empty_bytes
-from .serialization import decode, frame_nbytes, frame_pieces, load, write_frame
+from ._buffers import empty_bytes
+from ._serialization import decode, frame_nbytes, frame_pieces, load, write_frame
 
 __all__ = [
     "CHUNK_BYTES",

@@ -18,10 +18,11 @@ import torch.distributed as torch_dist
 
 from comm_core import CollectiveMismatchError, get_world_size
 
-from .protocol import (
+from ._protocol import (
     Header,
     Inline,
     agree,
+    checks_enabled,
     dtype_code,
     handshake,
     inline_payloads,
@@ -29,7 +30,13 @@ from .protocol import (
     signature_of,
     transport,
 )
-from .tensors import check_op_dtype, prepare_reduction, reduce_op_name, reduce_rows
+from .tensors import (
+    backend_reduce,
+    check_op_dtype,
+    prepare_reduction,
+    reduce_op_name,
+    reduce_rows,
+)
 
 __all__ = ["all_reduce_dict", "all_reduce_params"]
 
@@ -58,6 +65,9 @@ def all_reduce_dict(
     if get_world_size(group) == 1:
         reduce_op_name(op)
         _check_dict(data)
+        return
+    if not checks_enabled():
+        _all_reduce_dict_unchecked(data, reduce_op_name(op), group)
         return
     name, error = "", None
     keys: list[Any] = []
@@ -97,6 +107,23 @@ def all_reduce_dict(
     # every segment is reduced before any value is replaced: an error loses nothing
     for seg, reduced in results:
         data.update(zip(seg.keys, reduced))
+
+
+def _all_reduce_dict_unchecked(
+    data: dict[str, torch.Tensor], op: str, group: torch_dist.ProcessGroup | None
+) -> None:
+    """One backend all-reduce per dtype, no handshake (inside ``unchecked``)."""
+    keys, values = _check_dict(data)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, value in enumerate(values):
+        by_dtype.setdefault(value.dtype, []).append(index)
+    done = []
+    for indices in by_dtype.values():
+        parts = [values[i] for i in indices]
+        flat = backend_reduce(parts, op, group, "all_reduce_dict")
+        done.append(([keys[i] for i in indices], _unflat(parts, flat)))
+    for part_keys, reduced in done:  # every dtype reduced before any value is replaced
+        data.update(zip(part_keys, reduced))
 
 
 def _check_dict(data: object) -> tuple[list[Any], list[torch.Tensor]]:
@@ -284,6 +311,16 @@ def all_reduce_params(
     """
     if get_world_size(group) == 1:
         reduce_op_name(op)
+        return
+    if not checks_enabled():
+        name = reduce_op_name(op)
+        plain = [p.data if isinstance(p, torch.nn.Parameter) else p for p in params]
+        groups = _buckets(plain, bucket_size_mb) if coalesce else [[t] for t in plain]
+        flats = [backend_reduce(b, name, group, "all_reduce_params") for b in groups]
+        with torch.no_grad():
+            for bucket, flat in zip(groups, flats):
+                for tensor, value in zip(bucket, _unflat(bucket, flat)):
+                    tensor.copy_(value)
         return
     name, tensors, error = "", [], None
     try:

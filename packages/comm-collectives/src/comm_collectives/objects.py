@@ -3,7 +3,7 @@
 Objects are pickled with protocol 5; tensors and numpy arrays inside them travel as raw
 buffers in the same message and come back as views of the receive buffer. A small object
 travels inside the handshake frame (one collective in all); a large one goes through a
-reusable buffer (see ``comm_collectives.buffers``). ``broadcast_object_list`` sends a
+reusable buffer (see ``comm_collectives._buffers``). ``broadcast_object_list`` sends a
 piece of ``DIRECT_BYTES`` or more (a large tensor, array or pickle stream) straight
 from its own memory: the frame's head rides in the handshake, so every rank knows the
 messages that follow. A rank that cannot pickle its object makes every rank raise
@@ -20,8 +20,8 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_rank, get_world_size
 
-from .buffers import empty_bytes
-from .protocol import (
+from ._buffers import empty_bytes
+from ._protocol import (
     Header,
     Inline,
     Peer,
@@ -33,7 +33,7 @@ from .protocol import (
     local_fault,
     transport,
 )
-from .serialization import Encoded, decode, encode, frame_offsets, head_lengths
+from ._serialization import Encoded, decode, encode, frame_offsets, head_lengths
 from .tensors import _check_root, global_rank
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import uuid
 from typing import Any
 
@@ -28,8 +29,7 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_cpu_group, get_rank, get_world_size
 
-from ._stream import POST_AHEAD_BYTES, PartReader, PartWriter, PeerFailedError
-from .protocol import (
+from ._protocol import (
     Header,
     Inline,
     Peer,
@@ -38,7 +38,8 @@ from .protocol import (
     raise_everywhere,
     signature_of,
 )
-from .serialization import decode, dump, encode
+from ._serialization import decode, dump, encode
+from ._stream import POST_AHEAD_BYTES, PartReader, PartWriter, PeerFailedError
 from .tensors import global_rank
 
 __all__ = ["collect_results", "collect_results_cpu", "collect_results_gpu"]
@@ -286,12 +287,13 @@ def _collect_through_folder(
         return None
     parts: list[list[Any]] = [results]
     paths = [os.path.join(tmpdir, name) for name in names[1:]]
-    unseen = [rank for rank, p in enumerate(paths, start=1) if not os.path.exists(p)]
+    unseen = _unseen(tmpdir, paths)
     if unseen:
         error = _not_shared(tmpdir, unseen, created_by_rank_0=created)
     for part_path in paths:
         if error is None:  # after a failure the other parts are still removed
             try:
+                _check_owner(part_path)
                 parts.append(decode(np.fromfile(part_path, dtype=np.uint8)))
             except Exception as exc:
                 error = exc
@@ -300,6 +302,27 @@ def _collect_through_folder(
         _remove_if_empty(tmpdir)
     _verdict(error is not None, error, cpu_group, device)
     return _interleave(parts, size)
+
+
+_VISIBLE_WITHIN_S = 2.0
+
+
+def _unseen(tmpdir: str, paths: list[str]) -> list[int]:
+    """The ranks (from 1) whose part file rank 0 does not see, after a short grace.
+
+    A network filesystem may answer from a cached listing for a moment after another node
+    created a file; listing the folder makes it look again.
+    """
+    deadline = time.monotonic() + _VISIBLE_WITHIN_S
+    while True:
+        unseen = [rank for rank, p in enumerate(paths, start=1) if not os.path.exists(p)]
+        if not unseen or time.monotonic() > deadline:
+            return unseen
+        try:
+            os.listdir(tmpdir)
+        except OSError:
+            return unseen
+        time.sleep(0.1)
 
 
 class FolderNotSharedError(RuntimeError):
@@ -319,6 +342,18 @@ def _not_shared(tmpdir: str, ranks: list[int], created_by_rank_0: bool | None) -
         "no shared filesystem."
     )
     return FolderNotSharedError(message)
+
+
+def _check_owner(path: str) -> None:
+    """Refuse to unpickle a part file that another user owns (it could run any code)."""
+    owner = os.stat(path).st_uid
+    if hasattr(os, "getuid") and owner != os.getuid():
+        message = (
+            f"collect_results: part file {path!r} belongs to user id {owner}, not to this "
+            f"user ({os.getuid()}); it is not unpickled. Give tmpdir a folder only you can "
+            "write to."
+        )
+        raise PermissionError(message)
 
 
 def _write_private(path: str, results: list[Any]) -> None:

@@ -2,7 +2,7 @@
 
 Each moves the data to the communication device of the group and back, keeps the caller's
 dtype and device, works in a plain process (a world of one), and starts with the handshake
-of ``comm_collectives.protocol``, so a mismatch raises on every rank instead of hanging.
+of ``comm_collectives._protocol``, so a mismatch raises on every rank instead of hanging.
 Data that fits the handshake frame travels inside it: one collective in all, and a small
 reduction is then done locally in rank order, so every rank gets bit-identical results.
 """
@@ -17,14 +17,15 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_rank, get_world_size
 
-from .buffers import empty_bytes
-from .protocol import (
+from ._buffers import empty_bytes
+from ._protocol import (
     REDUCE_OPS,
     Header,
     Inline,
     Peer,
     agree,
     all_gather_flat,
+    checks_enabled,
     handshake,
     inline_payloads,
     local_fault,
@@ -34,6 +35,7 @@ from .protocol import (
 __all__ = [
     "all_gather",
     "all_reduce",
+    "backend_reduce",
     "broadcast",
     "check_op_dtype",
     "gather",
@@ -253,13 +255,46 @@ class _Reduction:
         return result
 
 
+_TORCH_OPS = {
+    "sum": torch_dist.ReduceOp.SUM,
+    "mean": torch_dist.ReduceOp.SUM,
+    "max": torch_dist.ReduceOp.MAX,
+    "min": torch_dist.ReduceOp.MIN,
+    "product": torch_dist.ReduceOp.PRODUCT,
+}
+
+
+def backend_reduce(
+    parts: list[torch.Tensor], op: str, group: torch_dist.ProcessGroup | None, operation: str
+) -> torch.Tensor:
+    """Reduce ``parts`` (one dtype) as one flat buffer with the backend's own all-reduce.
+
+    The unchecked path: no handshake, the backend's reduction order. Integer means stay
+    exact (int64 sums, checked on every rank); bools reduce as uint8.
+    """
+    dtype = parts[0].dtype
+    _check_bool_op(dtype, op, operation)
+    device = get_comm_device(group)
+    exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
+    wire = torch.int64 if exact else torch.uint8 if dtype == torch.bool else dtype
+    flats = [p.detach().reshape(-1).to(device=device, dtype=wire) for p in parts]
+    work = flats[0].clone() if len(flats) == 1 else torch.cat(flats)
+    with transport(operation, group):
+        torch_dist.all_reduce(work, _TORCH_OPS[op], group=group)
+    if exact:
+        return _exact_mean(work, get_world_size(group), dtype, operation)
+    if op == "mean":
+        work.div_(get_world_size(group))
+    return work if wire == dtype else work.to(dtype)
+
+
 def prepare_reduction(
     parts: list[torch.Tensor], op: str, group: torch_dist.ProcessGroup | None, operation: str
 ) -> _Reduction:
     """Allocate the long path of reducing ``parts`` as one flat buffer (see ``_Reduction``).
 
     It may raise (a device move, an allocation): the caller then passes the error to
-    [`agree`][comm_collectives.protocol.agree] before any data moves.
+    [`agree`][comm_collectives._protocol.agree] before any data moves.
     """
     local_fault("staging", operation)
     return _Reduction(parts, op, group, operation)
@@ -270,7 +305,7 @@ def reduce_inplace(
 ) -> None:
     """Reduce ``tensor`` across ``group`` in place, after the handshake (the caller did it).
 
-    The buffers are prepared first and a second vote ([`agree`][comm_collectives.protocol.agree])
+    The buffers are prepared first and a second vote ([`agree`][comm_collectives._protocol.agree])
     makes a local failure there raise on every rank. ``mean`` of an integer tensor is exact:
     the sums are reduced in int64 and the result is stored only when every element divides
     evenly; otherwise a ValueError (the same on every rank, since every rank holds the same
@@ -317,6 +352,9 @@ def all_reduce(
         reduce_op_name(op)
         _check_tensor("all_reduce", data)
         return
+    if not checks_enabled():
+        write_back(data, backend_reduce([data], reduce_op_name(op), group, "all_reduce"))
+        return
     name, error = "", None
     try:
         name = reduce_op_name(op)
@@ -353,8 +391,11 @@ def _gather_layout(
     group: torch_dist.ProcessGroup | None,
     root: int = -1,
     error: BaseException | None = None,
+    keep: bool = True,
 ) -> tuple[list[tuple[int, ...]], list[torch.Tensor] | None]:
-    """Every rank's shape, and every rank's tensor when all came inline (else None)."""
+    """Every rank's shape, and every rank's tensor when all came inline (else None; an
+    empty list when they came inline but ``keep`` is False: a rank that returns nothing
+    copies nothing)."""
     ok = error is None
     peers = handshake(
         Header(
@@ -374,6 +415,8 @@ def _gather_layout(
     rows = _inline_rows(peers, data.dtype)
     if rows is None:
         return shapes, None
+    if not keep:
+        return shapes, []
     # copies: a result must not keep the whole handshake table alive
     return shapes, [r.view(s).to(data.device, copy=True) for r, s in zip(rows, shapes)]
 
@@ -495,10 +538,10 @@ def gather(
         _local_checks("gather", data, lambda: _check_root("gather", dst, group, "dst"))
         return [data]
     error = _checked("gather", data, lambda: _check_root("gather", dst, group, "dst"))
-    shapes, inline = _gather_layout("gather", data, group, root=dst, error=error)
     me = get_rank(group)
+    shapes, inline = _gather_layout("gather", data, group, root=dst, error=error, keep=me == dst)
     if inline is not None:
-        return inline if me == dst else []
+        return inline
     device = get_comm_device(group)
     width = max(_numel(s) for s in shapes)
     if width == 0:
@@ -542,6 +585,14 @@ def broadcast(
     """
     if get_world_size(group) == 1:
         _local_checks("broadcast", data, lambda: _check_root("broadcast", src, group, "src"))
+        return
+    if not checks_enabled():
+        _check_root("broadcast", src, group, "src")
+        work = _staged(_plain(data) if get_rank(group) == src else data, get_comm_device(group))
+        with transport("broadcast", group):
+            torch_dist.broadcast(_as_bytes(work), global_rank(group, src), group=group)
+        if get_rank(group) != src and work is not data:
+            write_back(data, work)
         return
     error = _checked("broadcast", data, lambda: _check_root("broadcast", src, group, "src"))
     me = get_rank(group)

@@ -243,7 +243,10 @@ def _load_everywhere(
 def _call(name: str, check: DoctorCheck) -> list[CheckResult]:
     try:
         results = list(check())
-        if not all(isinstance(r, CheckResult) for r in results):
+        # by their fields, not their class: run as ``python -m comm_core.doctor`` this
+        # module is __main__, and the plugins' CheckResult is comm_core.doctor's
+        fields = ("name", "ok", "detail")
+        if not all(all(hasattr(r, f) for f in fields) for r in results):
             message = f"{name} must return CheckResult objects, got {results!r}"
             raise TypeError(message)
         return results

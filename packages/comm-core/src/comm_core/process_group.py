@@ -13,6 +13,7 @@ import torch
 import torch.distributed as torch_dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore (not in its stubs)
 
+from .device import get_comm_device
 from .errors import AlreadyInitializedError, LauncherError, NotInitializedError
 from .launcher import LAUNCHERS, LaunchEnv, current_node_key, infer_launcher, read_launch_env
 
@@ -336,8 +337,11 @@ def get_cpu_group(
     - the twin of a smaller group is created by the members of ``group`` only (every one
       of them calls this at the same point of its program) with local synchronisation: the
       ranks outside take no part and the numbering of the groups every rank creates stays
-      the same. As for any group torch creates this way, the members must have created the
-      same groups before.
+      the same. torch names such a group after its ranks and the number of groups the
+      creating rank knows, so the members must know as many groups (they created the same
+      groups, twins included); the members compare that number first and raise a
+      ValueError when it differs, instead of waiting for each other. Calling
+      ``get_cpu_group(group)`` on every member right after creating ``group`` is safe.
 
     The twins belong to the default group: after [`destroy_dist`][comm_core.destroy_dist]
     (or ``torch.distributed.destroy_process_group``) and a new ``init_dist``, fresh twins
@@ -350,7 +354,8 @@ def get_cpu_group(
         The group to send CPU tensors on; None in a plain process.
 
     Raises:
-        ValueError: This rank is not a member of ``group``.
+        ValueError: This rank is not a member of ``group``, or the members know different
+            numbers of groups (a twin could not form).
 
     Examples:
         >>> get_cpu_group() is None  # a plain process has no groups
@@ -377,8 +382,35 @@ def get_cpu_group(
     if twin is None or not _twin_alive(twin):
         # the whole world's twin is made by every rank, in order; a smaller group's by its
         # members only (its name then comes from its ranks, not from the group counter)
+        if not whole:
+            _check_same_group_count(group, ranks)
         twin = torch_dist.new_group(
             ranks=list(ranks), backend="gloo", use_local_synchronization=not whole
         )
         twins[ranks] = twin
     return twin
+
+
+def _check_same_group_count(group: torch_dist.ProcessGroup | None, ranks: tuple[int, ...]) -> None:
+    """Raise on every member when they know different numbers of groups.
+
+    torch names a group created with local synchronisation from its ranks and from the
+    number of groups the creating rank knows; members that disagree on that number would
+    wait for each other under different names until the timeout.
+    """
+
+    known = len(torch_dist.distributed_c10d._world.pg_names)
+    mine = torch.tensor([known], dtype=torch.int64, device=get_comm_device(group))
+    counts = [torch.zeros_like(mine) for _ in ranks]
+    torch_dist.all_gather(counts, mine, group=group)
+    table = [int(c.item()) for c in counts]
+    if len(set(table)) > 1:
+        listed = ", ".join(f"rank {r}: {n}" for r, n in zip(ranks, table))
+        message = (
+            f"get_cpu_group: the members of group {list(ranks)} know different numbers of "
+            f"process groups ({listed}), so torch would give their CPU twin different names "
+            "and they would wait for each other. Create the groups, and call collect_results "
+            "or get_cpu_group on them, in the same order on every member; or call "
+            "get_cpu_group(group) on every member right after creating the group."
+        )
+        raise ValueError(message)

@@ -7,6 +7,7 @@ import importlib
 import os
 import random
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -163,8 +164,16 @@ class Strategy:
             numpy.random.seed(seed % 2**32)
 
     def teardown(self) -> None:
-        """Destroy the process group if `setup_env` created it."""
+        """Destroy the process group if `setup_env` created it (collective: every rank).
+
+        A barrier first, so that no rank is still in a collective, then a short pause
+        outside the interpreter lock: gloo's worker threads release finished work there,
+        and a process group destroyed while one of them waits for the lock deadlocks torch
+        (its destructor joins the thread while holding the lock).
+        """
         if self._owns_group:
+            dist.barrier()
+            time.sleep(0.05)
             dist.destroy_dist()
             self._owns_group = False
         self._env_ready = False

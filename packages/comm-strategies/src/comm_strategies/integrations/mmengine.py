@@ -68,6 +68,24 @@ def _encode_message_hub(state: Any) -> Any:
     return out
 
 
+def _plain(value: Any) -> Any:
+    """Numpy scalars and arrays (MessageHub's runtime info) as Python values and tensors.
+
+    Our checkpoint files load with ``weights_only=True``, which refuses numpy objects.
+    """
+    kind = type(value).__module__
+    if kind == "numpy" or kind.startswith("numpy."):
+        if hasattr(value, "shape") and getattr(value, "ndim", 0) > 0:
+            return torch.from_numpy(value.copy())
+        if hasattr(value, "item"):
+            return value.item()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
 def _decode_message_hub(state: Any) -> Any:
     if not isinstance(state, Mapping) or "log_scalars" not in state:
         return state
@@ -92,6 +110,9 @@ class MMEngineStrategyMixin(Strategy):
             deterministic=), dist_cfg=dict(backend=...))`` as the runner builds it.
         log_kwargs: ``dict(log_level=...)`` for the logger.
         auto_scale_lr: Accepted for the runner's sake; not applied.
+        allow_unsafe_pickle: Let the runner's ``resume`` / ``load_from`` read checkpoints
+            that need full unpickling (DeepSpeed's own files, old pickles): only for files
+            you trust. The runner cannot pass it per call, so it is set here.
         **kwargs: The comm strategy's own keywords.
     """
 
@@ -103,6 +124,7 @@ class MMEngineStrategyMixin(Strategy):
         env_kwargs: Mapping[str, Any] | None = None,
         log_kwargs: Mapping[str, Any] | None = None,
         auto_scale_lr: Mapping[str, Any] | None = None,
+        allow_unsafe_pickle: bool = False,
         **kwargs: Any,
     ) -> None:
         env = copy.deepcopy(dict(env_kwargs or {}))
@@ -123,6 +145,7 @@ class MMEngineStrategyMixin(Strategy):
         self._experiment_name_option = experiment_name
         self._log_kwargs = dict(log_kwargs or {})
         self.auto_scale_lr = auto_scale_lr
+        self.allow_unsafe_pickle = allow_unsafe_pickle
         self._timestamp: str | None = None
         self._logger: Any = None
         self._source_model: Any = None
@@ -260,6 +283,7 @@ class MMEngineStrategyMixin(Strategy):
             callback(checkpoint)
         if "message_hub" in checkpoint:
             checkpoint["message_hub"] = _encode_message_hub(checkpoint["message_hub"])
+        checkpoint = _plain(checkpoint)
         return super().save_checkpoint(
             filename,
             save_optimizer=save_optimizer,
@@ -279,6 +303,7 @@ class MMEngineStrategyMixin(Strategy):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """MMEngine's signature; ``module.`` prefixes are handled by the checkpoint loader."""
+        kwargs.setdefault("allow_unsafe_pickle", self.allow_unsafe_pickle)
         extra: dict[str, Any] = super().load_checkpoint(filename, strict=strict, **kwargs)
         checkpoint = self._decoded(extra)
         if callback is not None:
@@ -296,6 +321,7 @@ class MMEngineStrategyMixin(Strategy):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """MMEngine's signature: returns the runner's checkpoint dict (``meta``, ...)."""
+        kwargs.setdefault("allow_unsafe_pickle", self.allow_unsafe_pickle)
         extra: dict[str, Any] = super().resume(
             filename,
             resume_optimizer=resume_optimizer,

@@ -30,10 +30,10 @@ incompatible versions of comm-collectives get a clear error instead of a misread
 
 Work that can only fail after the handshake (allocating receive buffers for sizes the
 headers gave, staging data on the communication device) is followed by a second, one-word
-vote ([`agree`][comm_collectives.protocol.agree]) before any data moves, so such a failure
+vote ([`agree`][comm_collectives._protocol.agree]) before any data moves, so such a failure
 also raises on every rank. A peer lost in the middle of a call (a killed process) turns
 the backend's transport error into a [`RemoteRankError`][comm_core.RemoteRankError] that
-names the lost rank ([`transport`][comm_collectives.protocol.transport]).
+names the lost rank ([`transport`][comm_collectives._protocol.transport]).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ __all__ = [
     "Peer",
     "agree",
     "all_gather_flat",
+    "checks_enabled",
     "debug_enabled",
     "debug_mode",
     "dtype_code",
@@ -85,6 +86,7 @@ __all__ = [
     "raise_everywhere",
     "signature_of",
     "transport",
+    "unchecked",
 ]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the packages support >= 2.4.
@@ -167,7 +169,7 @@ fault_hook: Callable[[str, str], None] | None = None
 
 
 def local_fault(stage: str, operation: str) -> None:
-    """Run the test hook [`fault_hook`][comm_collectives.protocol.fault_hook], if set."""
+    """Run the test hook [`fault_hook`][comm_collectives._protocol.fault_hook], if set."""
     if fault_hook is not None:
         fault_hook(stage, operation)
 
@@ -209,6 +211,44 @@ def debug_mode() -> Iterator[None]:
         yield
     finally:
         _debug_depth -= 1
+
+
+_unchecked_depth = 0
+
+
+def checks_enabled() -> bool:
+    """Return False inside [`unchecked`][comm_collectives.unchecked] (and not in debug mode)."""
+    return _unchecked_depth == 0 or debug_enabled()
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """Skip the handshake of the reductions and broadcasts inside the block, for hot loops.
+
+    ``all_reduce``, ``broadcast``, ``all_reduce_dict`` and ``all_reduce_params`` then issue
+    the backend's own collective and nothing else: no header, no vote, no inline data, and
+    the backend's reduction order (the bits of a float sum may differ from the checked
+    paths, which reduce in rank order). A mismatch or a failure on one rank is then not
+    detected: the other ranks wait for the process group's timeout, as with
+    torch.distributed. The collectives that need every rank's size (gathers, object
+    collectives, collect_results) keep their handshake. Every rank must enter and leave
+    the block at the same point of its program; debug mode turns the checks back on.
+
+    Examples:
+        >>> import torch
+        >>> import comm_collectives as dist
+        >>> grads = [torch.ones(3)]
+        >>> with dist.unchecked():
+        ...     dist.all_reduce_params(grads, op="mean")  # one backend all-reduce a bucket
+        >>> grads[0]
+        tensor([1., 1., 1.])
+    """
+    global _unchecked_depth
+    _unchecked_depth += 1
+    try:
+        yield
+    finally:
+        _unchecked_depth -= 1
 
 
 def signature_of(parts: Sequence[object]) -> int:
@@ -357,7 +397,10 @@ def header_route(
     use = side_channel if side_channel is not None else device.type != "cpu"
     if not use:
         return group, device
-    return _side_group(group), torch.device("cpu")
+    side = _side_group(group)
+    if side is None:  # a pure nccl subgroup: no CPU group of its members
+        return group, device
+    return side, torch.device("cpu")
 
 
 def _has_cpu_backend(pg: torch_dist.ProcessGroup) -> bool:
@@ -368,31 +411,27 @@ def _has_cpu_backend(pg: torch_dist.ProcessGroup) -> bool:
     return True
 
 
-def _side_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup:
+def _side_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup | None:
+    """The CPU group that carries the headers of ``group`` (``group`` itself when it has a
+    CPU backend of its own, as "cpu:gloo,cuda:nccl" groups do).
+
+    The side group of the default group is a gloo group of every rank, created at the
+    first call on the default group: every rank makes that call at the same point of its
+    program, as torch requires of ``new_group``. A subgroup without a CPU backend (a pure
+    nccl subgroup) has no side group, since its non-members never make its calls: its
+    headers stay on the device.
+    """
     c10d = torch_dist.distributed_c10d
-    pg = group if group is not None and group is not torch_dist.group.WORLD else None
-    pg = pg or c10d._get_default_group()
-    if side_channel is None and _has_cpu_backend(pg):  # "cpu:gloo,cuda:nccl": its gloo part
+    default = c10d._get_default_group()
+    pg = default if group is None or group is torch_dist.group.WORLD else group
+    if pg is not default:
+        return pg if _has_cpu_backend(pg) else None
+    if side_channel is None and _has_cpu_backend(pg):
         return pg
     side = _side_groups.get(pg)
-    if side is not None and side in c10d._world.pg_map:
-        return side
-    ranks = torch_dist.get_process_group_ranks(pg)
-    # created by the members only (every rank of the group makes this call now), under a
-    # name derived from the ranks: a gloo group of the same ranks made that way is reused
-    name = c10d._hash_ranks_to_str(ranks)
-    side = next((g for g, n in c10d._world.pg_names.items() if n == name), None)
-    if side is None:
-        side = torch_dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-    elif not _has_cpu_backend(side):
-        message = (
-            f"comm-collectives needs a CPU (gloo) side group for the headers of ranks "
-            f"{ranks}, and a group of those ranks created with use_local_synchronization=True "
-            "and no CPU backend already holds its name; create that group with "
-            'backend="cpu:gloo,cuda:nccl" instead.'
-        )
-        raise RuntimeError(message)
-    _side_groups[pg] = side
+    if side is None or side not in c10d._world.pg_map:
+        side = torch_dist.new_group(backend="gloo")
+        _side_groups[pg] = side
     return side
 
 
@@ -747,13 +786,19 @@ def _transport_error(
     return RemoteRankError(operation, failures)
 
 
+_transport_failures: dict[str, int] = {}
+
+
 def _silent_ranks(group: torch_dist.ProcessGroup | None) -> list[int] | None:
     """The ranks of ``group`` that do not show up in the store within a few seconds
     (None when the store cannot be reached)."""
     pg = group if group is not None else torch_dist.distributed_c10d._get_default_group()
     name = str(getattr(pg, "group_name", "default"))
     world, me = get_world_size(group), get_rank(group)
-    prefix = f"comm/alive/{name}/"
+    # numbered: marks left by an earlier failure on this group (that every rank saw)
+    # must not pass for marks of this one
+    seen = _transport_failures[name] = _transport_failures.get(name, 0) + 1
+    prefix = f"comm/alive/{name}/{seen}/"
     try:
         store = torch_dist.distributed_c10d._get_default_store()
         store.set(f"{prefix}{me}", "1")
