@@ -145,6 +145,7 @@ def test_headers_can_travel_on_a_cpu_side_group(comm_run_distributed: Any) -> No
         assert r["mismatch"] == "CollectiveMismatchError"
         assert r["remote"] == "RemoteRankError"
         assert r["same_side"] is True
+        assert r["is_cpu_twin"] is True
 
 
 @pytest.mark.parametrize("world", [2, 3])
