@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,52 @@ def test_a_folder_only_rank_0_sees_raises_on_every_rank(
         assert "rank 1 does not see the folder, which rank 0 has" in message
     assert not out[0]["exists"]  # rank 0 created it, so rank 0 removed it
     assert not out[1]["exists"]
+
+
+# ---------------------------------------------------------------- M5: a bad argument on one rank
+
+
+def bad_argument_on(victim: int, base: str) -> dict[str, Any]:
+    """One rank passes an invalid argument, by messages and through a folder (rank 0 creates
+    it): every rank raises at once, and the next call works."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    odd = rank == victim
+    folder = os.path.join(base, "parts")  # missing: rank 0 creates it, and must remove it
+    out: dict[str, Any] = {}
+    for tmpdir in (None, folder):
+        cases = {
+            "tuple": (((rank,) if odd else [rank]), world, "cpu"),
+            "size": ([rank], -1 if odd else world, "cpu"),
+            "device": ([rank], world, "npu" if odd else "cpu"),
+        }
+        for name, (part, size, device) in cases.items():
+            start = time.monotonic()
+            caught = _caught(dist.collect_results, part, size, device=device, tmpdir=tmpdir)
+            key = f"{name}/{'folder' if tmpdir else 'messages'}"
+            out[key] = (*caught, time.monotonic() - start)
+    out["left"] = os.path.exists(folder)
+    out["again"] = dist.collect_results([rank], world)
+    return out
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(
+    comm_run_distributed: Any, tmp_path: Path, victim: int
+) -> None:
+    out = comm_run_distributed(bad_argument_on, victim, str(tmp_path), world_size=2, timeout=60)
+    for rank, r in enumerate(out):
+        for key in ("tuple", "size", "device"):
+            for path in ("messages", "folder"):
+                name, message, took = r[f"{key}/{path}"]
+                assert name == "RemoteRankError", (rank, key, path, message)
+                assert f"collect_results failed on rank(s) {victim}" in message
+                assert took < 10.0
+        assert "results must be a list, got tuple" in r["tuple/messages"][1]
+        assert "size must be >= 0, got -1" in r["size/folder"][1]
+        assert "device must be one of cpu, gpu, got 'npu'" in r["device/messages"][1]
+        assert r["left"] is False  # rank 0 removed the folder it created
+        assert r["again"] == ([0, 1] if rank == 0 else None)
 
 
 # ---------------------------------------------------------------- Minor 8: different paths

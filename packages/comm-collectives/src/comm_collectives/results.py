@@ -21,7 +21,7 @@ import itertools
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -113,24 +113,45 @@ def collect_results(
         On rank 0 the ``size`` results in order; None on the other ranks.
 
     Raises:
-        RemoteRankError: A rank could not pickle or write its part, or rank 0 could not
-            read one (for instance ``tmpdir`` is not shared by the nodes); raised on every
-            rank.
+        RemoteRankError: A rank passed an invalid argument (``results`` not a list, a
+            negative ``size``, an unknown ``device``), could not pickle or write its part,
+            or rank 0 could not read one (for instance ``tmpdir`` is not shared by the
+            nodes); raised on every rank.
         CollectiveMismatchError: The ranks passed different ``device`` or ``tmpdir`` modes.
 
     Examples:
         >>> collect_results([0, None, 2], size=2)  # a world of one
         [0, None]
     """
-    _check_args(results, size, device)
     if get_world_size(group) == 1:
+        _check_args(results, size, device)
         return results[:size]
+    try:
+        _check_args(results, size, device)
+    except Exception as exc:
+        _report_bad_args(exc, device, tmpdir, group)
     if device == "cpu" and tmpdir is not None:
         return _collect_through_folder(results, size, tmpdir, group)
     mode = _mode(device, tmpdir)
     if device == "cpu":
         return _collect_by_messages(results, size, get_cpu_group(group), torch.device("cpu"), mode)
     return _collect_by_messages(results, size, group, get_comm_device(group), mode)
+
+
+def _report_bad_args(
+    error: BaseException, device: str, tmpdir: str | None, group: torch_dist.ProcessGroup | None
+) -> NoReturn:
+    """Send an argument error in the first handshake of the call the other ranks make.
+
+    Every path of collect_results starts with a handshake on the group its device names (the
+    CPU group in cpu mode), so the other ranks raise at once instead of waiting for this
+    rank's part. An unknown device is sent on the CPU group, as cpu mode (the default) does.
+    """
+    device = device if device in _DEVICES else "cpu"
+    route = get_cpu_group(group) if device == "cpu" else group
+    header = Header("collect_results", error=error, signature=_mode(device, tmpdir))
+    handshake(header, route, same=_SAME, hint=_HINT)
+    raise error  # not reached: the handshake raises on every rank
 
 
 def collect_results_cpu(
@@ -257,7 +278,12 @@ def _collect_through_folder(
         except Exception as exc:
             error = exc
     header = Header("collect_results", error=error, root=0, signature=mode)
-    handshake(header, cpu_group, same=_SAME, hint=_HINT)
+    try:
+        handshake(header, cpu_group, same=_SAME, hint=_HINT)
+    except BaseException:  # another rank failed (a bad argument): no folder is left behind
+        if created:
+            _remove_if_empty(tmpdir)
+        raise
     # 2. every other rank writes its part, atomically and private: rank 0 never sees a
     #    half-written file, and no other user can read or swap a part
     path = ""
