@@ -4,7 +4,9 @@ reassembly of large in-band objects and the mode of part files."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import stat
 import time
 from collections.abc import Iterator
@@ -16,8 +18,10 @@ import torch
 import torch.distributed as torch_dist
 
 import comm_collectives as dist
+from comm_collectives import _protocol as protocol
 from comm_collectives import _stream, results
-from comm_core.testing import WorldPool
+from comm_core import RemoteRankError
+from comm_core.testing import RanksFailedError, WorldPool
 
 
 def _caught(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
@@ -106,6 +110,7 @@ def bad_argument_on(victim: int, base: str) -> dict[str, Any]:
             caught = _caught(dist.collect_results, part, size, device=device, tmpdir=tmpdir)
             key = f"{name}/{'folder' if tmpdir else 'messages'}"
             out[key] = (*caught, time.monotonic() - start)
+    dist.barrier()  # rank 0 has cleaned up before any rank looks
     out["left"] = os.path.exists(folder)
     out["again"] = dist.collect_results([rank], world)
     return out
@@ -128,6 +133,84 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank(
         assert "device must be one of cpu, gpu, got 'npu'" in r["device/messages"][1]
         assert r["left"] is False  # rank 0 removed the folder it created
         assert r["again"] == ([0, 1] if rank == 0 else None)
+
+
+# ---------------------------------------------------------------- M10: a rank killed mid-call
+
+
+def _kill_me() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillOnPickle:
+    """Pickling it kills the sender: its part is then cut off in the middle of its stream."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _kill_me()
+        return (KillOnPickle, ())
+
+
+class KillOnLoad:
+    """Unpickling it kills the process that reads it: rank 0."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_kill_me, ())
+
+
+def killed_in_collect(victim: int, where: str, folder: str, tmpdir: str | None) -> str:
+    """``victim`` dies while collect_results streams (pickling its part, after 8 MiB were
+    sent) or, on rank 0, while reading the part of rank ``victim``. The survivors record
+    what they raised (the world ends with the dead rank)."""
+    protocol._LIVENESS_WAIT_S = 1.0
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part: list[Any] = [bytes(1 << 20) for _ in range(8)]
+    if rank == victim:
+        part.append(KillOnPickle() if where == "pickle" else KillOnLoad())
+    record: dict[str, Any] = {"raised": "", "ranks": None, "lost": False}
+    start = time.monotonic()
+    try:
+        dist.collect_results(part, world * 9, tmpdir=tmpdir)
+    except RemoteRankError as exc:
+        lost = [f.rank for f in exc.failures if f.error_type == "comm.RankLost"]
+        record.update(raised="RemoteRankError", ranks=list(exc.ranks), lost=lost)
+    except Exception as exc:
+        record["raised"] = f"unexpected {type(exc).__name__}: {exc}"
+    record["seconds"] = round(time.monotonic() - start, 3)
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+        json.dump(record, handle)
+    return "survived"
+
+
+@pytest.fixture(scope="module")
+def world_of_3() -> Iterator[WorldPool]:
+    # the process group's own timeout is far above the bound: no survivor may wait for it
+    with WorldPool(3, timeout=60.0, pg_timeout=60.0) as pool:
+        yield pool
+
+
+# (victim, where it dies, through a folder): a sender while it streams, rank 0 while it
+# reads a part (it then dies in the middle of the call on every path)
+KILLS = [(2, "pickle", False), (1, "pickle", False), (1, "load", False), (1, "load", True)]
+
+
+@pytest.mark.parametrize(("victim", "where", "folder"), KILLS)
+def test_a_rank_killed_in_collect_results_is_named_by_every_survivor(
+    world_of_3: WorldPool, tmp_path: Path, victim: int, where: str, folder: bool
+) -> None:
+    dead = 0 if where == "load" else victim
+    records = tmp_path / "records"
+    records.mkdir()
+    tmpdir = str(tmp_path / "parts") if folder else None
+    world_of_3.restart()  # a fresh world: the last test left a dead rank
+    with pytest.raises(RanksFailedError) as info:
+        world_of_3.run(killed_in_collect, victim, where, str(records), tmpdir, timeout=60.0)
+    states = {r.rank: r.state for r in info.value.reports}
+    assert states == {r: "died" if r == dead else "ok" for r in range(3)}, str(info.value)
+    for rank in {0, 1, 2} - {dead}:
+        record = json.loads((records / f"rank{rank}.json").read_text())
+        assert record["raised"] == "RemoteRankError", record
+        assert dead in record["ranks"] and dead in record["lost"], record
+        assert record["seconds"] < 10.0, record
 
 
 # ---------------------------------------------------------------- Minor 8: different paths

@@ -37,6 +37,7 @@ from ._protocol import (
     inline_capacity,
     raise_everywhere,
     signature_of,
+    transport,
 )
 from ._serialization import decode, dump, encode
 from ._stream import POST_AHEAD_BYTES, PartReader, PartWriter, PeerFailedError
@@ -186,21 +187,28 @@ def _collect_by_messages(
     error: BaseException | None = None
     failed = False
     for index, reader in enumerate(readers):
-        # the receives of this part, and of the next unless it is one large message, are
-        # posted before unpickling starts (a receive posted late costs milliseconds on gloo)
-        reader.post()
-        if index + 1 < len(readers) and readers[index + 1].count <= POST_AHEAD_BYTES:
-            readers[index + 1].post()
-        if not failed:
-            try:
-                parts.append(reader.load())
-            except PeerFailedError:  # the sender reports its own error in the verdict
-                failed = True
-            except Exception as exc:
-                error, failed = exc, True
-        # after a failure the remaining parts are still received: no sender is left
-        # blocked, and no stale message is left in the channel for a later call
-        reader.finish()
+        try:
+            # the receives of this part, and of the next unless it is one large message, are
+            # posted before unpickling starts (a receive posted late costs milliseconds on
+            # gloo)
+            reader.post()
+            if index + 1 < len(readers) and readers[index + 1].count <= POST_AHEAD_BYTES:
+                readers[index + 1].post()
+            if not failed:
+                try:
+                    parts.append(reader.load())
+                except PeerFailedError:  # the sender reports its own error in the verdict
+                    failed = True
+                except Exception as exc:
+                    error, failed = exc, True
+            # after a failure the remaining parts are still received: no sender is left
+            # blocked, and no stale message is left in the channel for a later call
+            reader.finish()
+        except RuntimeError as exc:
+            # the transport: this sender is gone (a killed process). The parts of the
+            # others are still received, and the verdict still goes out, so the live
+            # senders raise now instead of waiting for rank 0 until the timeout
+            error, failed = error or exc, True
     _verdict(failed, error, group, device)
     return _interleave(parts, size)
 
@@ -235,8 +243,10 @@ def _send_part(
         if writer.stage == "pickling":  # nothing sent yet: the handshake reports it
             handshake(Header("collect_results", error=exc, signature=mode), group)
         if writer.stage != "streaming":  # the handshake or the transport failed
-            raise
-        writer.fail()
+            with transport("collect_results", group):  # a lost rank 0: named
+                raise
+        with transport("collect_results", group):
+            writer.fail()
         error = exc
     _verdict(error is not None, error, group, device)
 
@@ -252,7 +262,21 @@ def _verdict(
     ``failed`` counts on rank 0 only; ``error`` is this rank's own failure, if any.
     """
     flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
-    torch_dist.broadcast(flag, global_rank(group, 0), group=group)
+    # rank 0 sends the verdict to each rank itself, not by a broadcast: a broadcast may
+    # route it through another rank, and when that rank is dead (killed in the middle of
+    # its part) the ranks behind it would wait for the verdict until the timeout
+    with transport("collect_results", group):  # a lost rank: the library's error, naming it
+        if get_rank(group) != 0:
+            torch_dist.recv(flag, global_rank(group, 0), group=group)
+        else:
+            lost: RuntimeError | None = None
+            for peer in range(1, get_world_size(group)):
+                try:
+                    torch_dist.send(flag, global_rank(group, peer), group=group)
+                except RuntimeError as exc:  # a dead rank: the others still hear the verdict
+                    lost = lost or exc
+            if lost is not None and not failed:  # the others finished: only rank 0 raises
+                raise lost
     if int(flag.item()):
         raise_everywhere("collect_results", error, group)
 
