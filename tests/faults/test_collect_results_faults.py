@@ -209,7 +209,8 @@ def test_a_rank_killed_in_collect_results_is_named_by_every_survivor(
     for rank in {0, 1, 2} - {dead}:
         record = json.loads((records / f"rank{rank}.json").read_text())
         assert record["raised"] == "RemoteRankError", record
-        assert dead in record["ranks"] and dead in record["lost"], record
+        assert dead in record["ranks"], record
+        assert dead in record["lost"], record
         assert record["seconds"] < 10.0, record
 
 
