@@ -262,17 +262,30 @@ def _verdict(
     ``failed`` counts on rank 0 only; ``error`` is this rank's own failure, if any.
     """
     flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
-    # rank 0 sends the verdict to each rank itself, not by a broadcast: a broadcast may
-    # route it through another rank, and when that rank is dead (killed in the middle of
-    # its part) the ranks behind it would wait for the verdict until the timeout
+    root = global_rank(group, 0)
     with transport("collect_results", group):  # a lost rank: the library's error, naming it
-        if get_rank(group) != 0:
-            torch_dist.recv(flag, global_rank(group, 0), group=group)
+        if device.type != "cpu":
+            # a device group (nccl): one broadcast; messages to each rank would open a
+            # communicator per pair
+            torch_dist.broadcast(flag, root, group=group)
+        elif get_rank(group) != 0:
+            torch_dist.recv(flag, root, group=group)
         else:
+            # on a CPU group rank 0 sends the verdict to each rank itself, not by a
+            # broadcast: a broadcast may route it through another rank, and when that rank
+            # is dead (killed in the middle of its part) the ranks behind it would wait for
+            # the verdict until the timeout
             lost: RuntimeError | None = None
+            works = []
             for peer in range(1, get_world_size(group)):
+                try:  # a send to a dead rank may fail at once or when waited for
+                    works.append(torch_dist.isend(flag, global_rank(group, peer), group=group))
+                except RuntimeError as exc:
+                    lost = lost or exc
+            for work in works:
                 try:
-                    torch_dist.send(flag, global_rank(group, peer), group=group)
+                    if work is not None:
+                        work.wait()
                 except RuntimeError as exc:  # a dead rank: the others still hear the verdict
                     lost = lost or exc
             if lost is not None and not failed:  # the others finished: only rank 0 raises
