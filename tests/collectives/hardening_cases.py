@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -243,3 +244,24 @@ def side_channel_subgroups() -> dict[str, Any]:
         return out
     finally:
         protocol.side_channel, process_group._CPU_BACKENDS = saved
+
+
+def debug_env_on_one_rank_unchecked() -> dict[str, Any]:
+    """COMM_DEBUG set on the last rank only, inside unchecked: every rank still issues the
+    backend's one all-reduce (a handshake on one rank only waited for the timeout)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = torch_dist.distributed_c10d._get_default_group()
+    previous = os.environ.get("COMM_DEBUG")
+    if rank == world - 1:
+        os.environ["COMM_DEBUG"] = "1"
+    try:
+        t = torch.full((3,), float(rank + 1))
+        before = group._get_sequence_number_for_group()
+        with dist.unchecked():
+            dist.all_reduce(t)
+        return {"sum": t.tolist(), "calls": group._get_sequence_number_for_group() - before}
+    finally:
+        if previous is None:
+            os.environ.pop("COMM_DEBUG", None)
+        else:
+            os.environ["COMM_DEBUG"] = previous

@@ -171,6 +171,16 @@ def test_unchecked_calls_issue_only_the_backend_collective(
         assert r["debug"] == "CollectiveMismatchError"
 
 
+def test_debug_env_on_one_rank_keeps_unchecked_calls_unchecked(
+    comm_run_distributed: Any,
+) -> None:
+    results = comm_run_distributed(
+        hardening_cases.debug_env_on_one_rank_unchecked, world_size=2, timeout=30
+    )
+    for r in results:
+        assert r == {"sum": [3.0] * 3, "calls": 1}
+
+
 def test_side_channel_with_subgroups_some_ranks_use(comm_run_distributed: Any) -> None:
     results = comm_run_distributed(hardening_cases.side_channel_subgroups, world_size=3)
     for rank, r in enumerate(results):

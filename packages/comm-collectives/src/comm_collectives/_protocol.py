@@ -218,8 +218,15 @@ _unchecked_depth = 0
 
 
 def checks_enabled() -> bool:
-    """Return False inside [`unchecked`][comm_collectives.unchecked] (and not in debug mode)."""
-    return _unchecked_depth == 0 or debug_enabled()
+    """Return False inside [`unchecked`][comm_collectives.unchecked] (and not in
+    [`debug_mode`][comm_collectives.debug_mode]).
+
+    ``COMM_DEBUG`` does not turn the checks back on: it is read on each rank, and a rank
+    that set it alone would start a handshake while the others issue the backend's
+    collective (a hang, or the two collectives' bytes mixed). ``debug_mode`` is entered by
+    every rank at the same point of its program.
+    """
+    return _unchecked_depth == 0 or _debug_depth > 0
 
 
 @contextlib.contextmanager
@@ -233,7 +240,8 @@ def unchecked() -> Iterator[None]:
     detected: the other ranks wait for the process group's timeout, as with
     torch.distributed. The collectives that need every rank's size (gathers, object
     collectives, collect_results) keep their handshake. Every rank must enter and leave
-    the block at the same point of its program; debug mode turns the checks back on.
+    the block at the same point of its program; ``debug_mode`` turns the checks back on
+    (``COMM_DEBUG``, which a rank may set alone, does not).
 
     Examples:
         >>> import torch
