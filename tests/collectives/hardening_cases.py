@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ import torch.distributed as torch_dist
 
 import comm_collectives as dist
 from comm_collectives import _protocol as protocol
-from comm_core import CollectiveMismatchError, RemoteRankError
+from comm_core import CollectiveMismatchError, RemoteRankError, process_group
 
 N = 200  # elements: the largest dtype (16 bytes) fits the first inline capacity (4 KiB)
 
@@ -153,8 +154,10 @@ def side_channel_counts() -> dict[str, Any]:
     the side group (the nccl layout, forced on gloo)."""
     rank = dist.get_rank()
     group = torch_dist.distributed_c10d._get_default_group()
-    saved = protocol.side_channel
-    protocol.side_channel = True
+    saved = protocol.side_channel, process_group._CPU_BACKENDS
+    # the nccl layout on gloo: headers on the CPU route, and gloo counted as a backend
+    # without CPU support, so the route is comm-core's CPU twin of the default group
+    protocol.side_channel, process_group._CPU_BACKENDS = True, ()
     try:
         side = protocol.header_route(group)[0]
         assert side is not None
@@ -174,9 +177,11 @@ def side_channel_counts() -> dict[str, Any]:
         out["mismatch"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
         out["remote"] = _caught(dist.all_reduce, torch.ones(2), op="avg" if rank else "sum")[0]
         out["same_side"] = protocol.header_route(group)[0] is side
+        # one CPU twin of the world: the headers' route is the group collect_results uses
+        out["is_cpu_twin"] = side is dist.get_cpu_group() and side is not group
         return out
     finally:
-        protocol.side_channel = saved
+        protocol.side_channel, process_group._CPU_BACKENDS = saved
 
 
 def unchecked_cases() -> dict[str, Any]:
@@ -218,8 +223,10 @@ def side_channel_subgroups() -> dict[str, Any]:
     """Headers on the CPU route with subgroups that only some ranks use, then a group of
     every rank: no group creation may depend on which groups a rank made before."""
     rank = dist.get_rank()
-    saved = protocol.side_channel
-    protocol.side_channel = True
+    saved = protocol.side_channel, process_group._CPU_BACKENDS
+    # the nccl layout on gloo: headers on the CPU route, and gloo counted as a backend
+    # without CPU support, so the route is comm-core's CPU twin of the default group
+    protocol.side_channel, process_group._CPU_BACKENDS = True, ()
     try:
         pair = torch_dist.new_group([0, 1])
         out: dict[str, Any] = {}
@@ -236,4 +243,25 @@ def side_channel_subgroups() -> dict[str, Any]:
         torch_dist.destroy_process_group(everyone)
         return out
     finally:
-        protocol.side_channel = saved
+        protocol.side_channel, process_group._CPU_BACKENDS = saved
+
+
+def debug_env_on_one_rank_unchecked() -> dict[str, Any]:
+    """COMM_DEBUG set on the last rank only, inside unchecked: every rank still issues the
+    backend's one all-reduce (a handshake on one rank only waited for the timeout)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = torch_dist.distributed_c10d._get_default_group()
+    previous = os.environ.get("COMM_DEBUG")
+    if rank == world - 1:
+        os.environ["COMM_DEBUG"] = "1"
+    try:
+        t = torch.full((3,), float(rank + 1))
+        before = group._get_sequence_number_for_group()
+        with dist.unchecked():
+            dist.all_reduce(t)
+        return {"sum": t.tolist(), "calls": group._get_sequence_number_for_group() - before}
+    finally:
+        if previous is None:
+            os.environ.pop("COMM_DEBUG", None)
+        else:
+            os.environ["COMM_DEBUG"] = previous

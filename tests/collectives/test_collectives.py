@@ -25,16 +25,16 @@ def _raised_on_every_rank(results: list[Any], rank: int, cause: str) -> None:
         assert cause in message
 
 
-def _run(run_distributed: Any, path: str, case: Any, *args: Any, world_size: int) -> Any:
+def _run(comm_run_distributed: Any, path: str, case: Any, *args: Any, world_size: int) -> Any:
     if path == "inline":
-        return run_distributed(case, *args, world_size=world_size)
-    return run_distributed(cases.without_inline, case.__name__, *args, world_size=world_size)
+        return comm_run_distributed(case, *args, world_size=world_size)
+    return comm_run_distributed(cases.without_inline, case.__name__, *args, world_size=world_size)
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_all_reduce_every_op(run_distributed: Any, path: str, world: int) -> None:
-    results = _run(run_distributed, path, cases.all_reduce_ops, world_size=world)
+def test_all_reduce_every_op(comm_run_distributed: Any, path: str, world: int) -> None:
+    results = _run(comm_run_distributed, path, cases.all_reduce_ops, world_size=world)
     ranks = range(world)
     s1 = sum(r + 1 for r in ranks)
     p1 = 1
@@ -68,8 +68,8 @@ def test_all_reduce_every_op(run_distributed: Any, path: str, world: int) -> Non
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_all_gather_even_uneven_and_scalar(run_distributed: Any, path: str, world: int) -> None:
-    for r in _run(run_distributed, path, cases.all_gather_shapes, world_size=world):
+def test_all_gather_even_uneven_and_scalar(comm_run_distributed: Any, path: str, world: int) -> None:
+    for r in _run(comm_run_distributed, path, cases.all_gather_shapes, world_size=world):
         assert r["even"] == [[[float(k)] * 2] * 2 for k in range(world)]
         expected = [
             ((k, 3), [list(range(3 * i, 3 * i + 3)) for i in range(k)], "torch.int16")
@@ -88,9 +88,9 @@ def test_all_gather_even_uneven_and_scalar(run_distributed: Any, path: str, worl
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_gather_uneven_to_every_root(run_distributed: Any, path: str, world: int) -> None:
+def test_gather_uneven_to_every_root(comm_run_distributed: Any, path: str, world: int) -> None:
     for dst in range(world):
-        results = _run(run_distributed, path, cases.gather_to, dst, world_size=world)
+        results = _run(comm_run_distributed, path, cases.gather_to, dst, world_size=world)
         for rank, r in enumerate(results):
             if rank == dst:
                 assert r["parts"] == [[10.0 * k + i for i in range(k + 1)] for k in range(world)]
@@ -101,8 +101,8 @@ def test_gather_uneven_to_every_root(run_distributed: Any, path: str, world: int
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_broadcast_and_its_errors(run_distributed: Any, path: str, world: int) -> None:
-    for r in _run(run_distributed, path, cases.broadcast_cases, world_size=world):
+def test_broadcast_and_its_errors(comm_run_distributed: Any, path: str, world: int) -> None:
+    for r in _run(comm_run_distributed, path, cases.broadcast_cases, world_size=world):
         assert r["value"] == [float(world - 1)] * 3
         name, message = r["shape_mismatch"]
         assert name == "CollectiveMismatchError"
@@ -113,7 +113,7 @@ def test_broadcast_and_its_errors(run_distributed: Any, path: str, world: int) -
 
 @pytest.mark.parametrize("path", PATHS)
 def test_sync_random_seed_is_shared_and_leaves_global_rngs_alone(
-    run_distributed: Any, path: str
+    comm_run_distributed: Any, path: str
 ) -> None:
     import random
 
@@ -124,7 +124,7 @@ def test_sync_random_seed_is_shared_and_leaves_global_rngs_alone(
     torch.manual_seed(1234)
     random.seed(1234)
     expected = (float(np.random.rand()), float(torch.rand(1)), random.random())
-    results = _run(run_distributed, path, cases.seed_cases, world_size=3)
+    results = _run(comm_run_distributed, path, cases.seed_cases, world_size=3)
     assert results[0]["seeds"] == results[1]["seeds"] == results[2]["seeds"]
     assert len(set(results[0]["seeds"])) == 3  # fresh each call
     assert all(0 <= s < 2**31 for s in results[0]["seeds"])
@@ -149,9 +149,9 @@ def _describe_expected(k: int) -> dict[str, Any]:
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_object_collectives_carry_tensors_arrays_and_errors(
-    run_distributed: Any, path: str, world: int
+    comm_run_distributed: Any, path: str, world: int
 ) -> None:
-    results = _run(run_distributed, path, cases.object_cases, world_size=world)
+    results = _run(comm_run_distributed, path, cases.object_cases, world_size=world)
     expected = [_describe_expected(k) for k in range(world)]
     for rank, r in enumerate(results):
         assert r["gathered"] == expected
@@ -170,10 +170,10 @@ def test_object_collectives_carry_tensors_arrays_and_errors(
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_all_reduce_dict_sums_means_and_key_check(
-    run_distributed: Any, path: str, world: int
+    comm_run_distributed: Any, path: str, world: int
 ) -> None:
     s = sum(range(1, world + 1))
-    results = _run(run_distributed, path, cases.reduce_dict_cases, world_size=world)
+    results = _run(comm_run_distributed, path, cases.reduce_dict_cases, world_size=world)
     for rank, r in enumerate(results):
         assert r["summed"] == {
             "loss": (float(s), "torch.float32", ()),
@@ -194,9 +194,9 @@ def test_all_reduce_dict_sums_means_and_key_check(
 
 
 @pytest.mark.parametrize(("coalesce", "bucket"), [(True, -1), (True, 0.00001), (False, -1)])
-def test_all_reduce_params(run_distributed: Any, coalesce: bool, bucket: float) -> None:
+def test_all_reduce_params(comm_run_distributed: Any, coalesce: bool, bucket: float) -> None:
     world = 3
-    results = run_distributed(cases.reduce_params_cases, coalesce, bucket, world_size=world)
+    results = comm_run_distributed(cases.reduce_params_cases, coalesce, bucket, world_size=world)
     sizes = [6, 2, 2, 1]
     expected = [[float(sum(r + i for r in range(world)))] * n for i, n in enumerate(sizes)]
     expected.append([sum(range(world))] * 4)
@@ -206,12 +206,12 @@ def test_all_reduce_params(run_distributed: Any, coalesce: bool, bucket: float) 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize(("device", "tmpdir"), [("cpu", False), ("cpu", True), ("gpu", False)])
 def test_collect_results_order_none_and_truncation(
-    run_distributed: Any, world: int, device: str, tmpdir: bool, tmp_path: Path
+    comm_run_distributed: Any, world: int, device: str, tmpdir: bool, tmp_path: Path
 ) -> None:
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "keep.txt").write_text("mine")
     root = str(tmp_path) if tmpdir else None
-    results = run_distributed(cases.collect_cases, device, root, world_size=world)
+    results = comm_run_distributed(cases.collect_cases, device, root, world_size=world)
     size = 10
     per_rank = -(-size // world)
     # hand-derived: the interleaved order is the dataset order, truncated to size
@@ -229,25 +229,25 @@ def test_collect_results_order_none_and_truncation(
         assert r["user_dir_kept"] is True
 
 
-def test_collect_results_parts_a_sampler_would_not_give(run_distributed: Any) -> None:
+def test_collect_results_parts_a_sampler_would_not_give(comm_run_distributed: Any) -> None:
     # rank r holds r + 1 items: rows of the interleave run out one rank at a time
-    results = run_distributed(cases.collect_not_sampler_shaped, world_size=3)
+    results = comm_run_distributed(cases.collect_not_sampler_shaped, world_size=3)
     assert results[0] == ["0.0", "1.0", "2.0", "1.1", "2.1", "2.2"]
     assert results[1:] == [None, None]
 
 
-def test_collect_results_error_on_one_rank_raises_everywhere(run_distributed: Any) -> None:
-    for name, message in run_distributed(cases.collect_error_case, world_size=2):
+def test_collect_results_error_on_one_rank_raises_everywhere(comm_run_distributed: Any) -> None:
+    for name, message in comm_run_distributed(cases.collect_error_case, world_size=2):
         assert name == "RemoteRankError"
         assert "collect_results failed on rank(s) 1" in message
 
 
 @pytest.mark.parametrize("tmpdir", [False, True])
 def test_collect_results_part_that_fails_to_unpickle_on_rank_zero(
-    run_distributed: Any, tmpdir: bool, tmp_path: Path
+    comm_run_distributed: Any, tmpdir: bool, tmp_path: Path
 ) -> None:
     root = str(tmp_path) if tmpdir else None
-    results = run_distributed(cases.collect_load_failure_case, root, world_size=3)
+    results = comm_run_distributed(cases.collect_load_failure_case, root, world_size=3)
     # every rank raises the same error, naming rank 0 and its unpickling error
     _raised_on_every_rank(results, 0, "this object cannot be rebuilt on the receiving rank")
     # rank 2's large part was drained (or its file removed), not left for the next call
@@ -260,9 +260,9 @@ def test_collect_results_part_that_fails_to_unpickle_on_rank_zero(
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_collect_results_streams_large_parts_with_tensors(
-    run_distributed: Any, path: str, world: int
+    comm_run_distributed: Any, path: str, world: int
 ) -> None:
-    results = _run(run_distributed, path, cases.collect_large_case, world_size=world)
+    results = _run(comm_run_distributed, path, cases.collect_large_case, world_size=world)
     n = cases.LARGE_PART
     size = world * n - 1  # the last rank's part is one item short
     # hand-derived: item i comes from rank i % W, position i // W of its part
@@ -288,11 +288,11 @@ def test_collect_results_streams_large_parts_with_tensors(
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_collect_results_pickling_fails_in_the_middle_of_a_part(
-    run_distributed: Any, path: str, world: int
+    comm_run_distributed: Any, path: str, world: int
 ) -> None:
     failing = world - 1  # its item 20,000 refuses to be pickled, long after the first chunk
     results = _run(
-        run_distributed,
+        comm_run_distributed,
         path,
         cases.collect_midstream_failure_case,
         failing,
@@ -309,11 +309,11 @@ def test_collect_results_pickling_fails_in_the_middle_of_a_part(
 
 @pytest.mark.parametrize("path", PATHS)
 def test_collect_results_unpickling_fails_in_the_middle_of_a_part(
-    run_distributed: Any, path: str
+    comm_run_distributed: Any, path: str
 ) -> None:
     # rank 0 cannot rebuild item 20,000 of rank 1's part; rank 2's part still comes
     results = _run(
-        run_distributed, path, cases.collect_midstream_failure_case, 1, "load", world_size=3
+        comm_run_distributed, path, cases.collect_midstream_failure_case, 1, "load", world_size=3
     )
     _raised_on_every_rank(results, 0, "this object cannot be rebuilt on the receiving rank")
     assert results[0]["shapes"] == [-1, -1]
@@ -323,8 +323,8 @@ def test_collect_results_unpickling_fails_in_the_middle_of_a_part(
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_mismatched_calls_raise_on_every_rank(run_distributed: Any, path: str) -> None:
-    for r in _run(run_distributed, path, cases.mismatch_cases, world_size=2):
+def test_mismatched_calls_raise_on_every_rank(comm_run_distributed: Any, path: str) -> None:
+    for r in _run(comm_run_distributed, path, cases.mismatch_cases, world_size=2):
         name, message = r["different_ops"]
         assert name == "CollectiveMismatchError"
         assert "different collectives" in message
@@ -342,9 +342,9 @@ def test_mismatched_calls_raise_on_every_rank(run_distributed: Any, path: str) -
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_collect_results_mismatch_while_a_part_is_streamed(
-    run_distributed: Any, debug: bool
+    comm_run_distributed: Any, debug: bool
 ) -> None:
-    results = run_distributed(cases.collect_mismatch_case, debug, world_size=2)
+    results = comm_run_distributed(cases.collect_mismatch_case, debug, world_size=2)
     for r in results:
         name, message = r["first"]
         assert name == "CollectiveMismatchError"
@@ -356,15 +356,15 @@ def test_collect_results_mismatch_while_a_part_is_streamed(
     assert results[1]["again"] is None
 
 
-def test_remote_rank_error_names_rank_and_cause(run_distributed: Any) -> None:
-    for r in run_distributed(cases.remote_error_details, world_size=3):
+def test_remote_rank_error_names_rank_and_cause(comm_run_distributed: Any) -> None:
+    for r in comm_run_distributed(cases.remote_error_details, world_size=3):
         assert r["ranks"] == (1,)
         assert r["operation"] == "all_gather_object"
-    assert run_distributed(cases.remote_error_details, world_size=3)[1]["cause"] == "RuntimeError"
+    assert comm_run_distributed(cases.remote_error_details, world_size=3)[1]["cause"] == "RuntimeError"
 
 
-def test_mismatch_table_has_a_row_per_rank(run_distributed: Any) -> None:
-    rows = run_distributed(cases.mismatch_rows, world_size=3)[0]
+def test_mismatch_table_has_a_row_per_rank(comm_run_distributed: Any) -> None:
+    rows = comm_run_distributed(cases.mismatch_rows, world_size=3)[0]
     assert [row["rank"] for row in rows] == [0, 1, 2]
     assert [row["shape"] for row in rows] == [(1,), (2,), (3,)]
     assert {row["dtype"] for row in rows} == {"float32"}

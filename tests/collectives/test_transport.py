@@ -15,8 +15,8 @@ from . import transport_cases
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_inline_capacity_adapts_the_same_on_every_rank(run_distributed: Any, world: int) -> None:
-    results = run_distributed(transport_cases.capacity_adapts, world_size=world)
+def test_inline_capacity_adapts_the_same_on_every_rank(comm_run_distributed: Any, world: int) -> None:
+    results = comm_run_distributed(transport_cases.capacity_adapts, world_size=world)
     # budget: min(256 KiB, 1 MiB // world), so an 800 KB object never rides inline
     assert results[0]["caps"] == {
         "start": 4096,
@@ -41,14 +41,14 @@ _LONG = {"all_reduce": 4, "all_reduce_dict": 4, "sync_random_seed": 2}
 
 @pytest.mark.parametrize(("path", "expected"), [("inline", 1), ("long", 3)])
 def test_small_calls_take_one_collective_with_inline_data(
-    run_distributed: Any, path: str, expected: int
+    comm_run_distributed: Any, path: str, expected: int
 ) -> None:
     case = (
         transport_cases.collectives_per_call
         if path == "inline"
         else transport_cases.collectives_per_call_long
     )
-    results = run_distributed(case, world_size=2)
+    results = comm_run_distributed(case, world_size=2)
     for counts in results:
         wanted = dict.fromkeys(counts, expected)
         if path == "long":
@@ -57,9 +57,9 @@ def test_small_calls_take_one_collective_with_inline_data(
         assert len(counts) == 9
 
 
-def test_results_stay_intact_while_buffers_are_reused(run_distributed: Any) -> None:
+def test_results_stay_intact_while_buffers_are_reused(comm_run_distributed: Any) -> None:
     n = 1 << 19
-    for r in run_distributed(transport_cases.buffers_reused_safely, world_size=2):
+    for r in comm_run_distributed(transport_cases.buffers_reused_safely, world_size=2):
         assert r["first"] == [(0.0, 0.0, n), (1.0, 1.0, n)]
         assert r["kept_tensor"] == [(10.0, 10.0, n), (11.0, 11.0, n + 1)]
         assert r["broadcast"] == [(7.0, 7.0, n)]
@@ -135,11 +135,11 @@ def test_decoded_arrays_keep_their_buffer_alive() -> None:
 @pytest.mark.parametrize("long_path", [False, True])
 @pytest.mark.parametrize(("world", "src"), [(2, 0), (3, 2)])
 def test_broadcast_sends_large_pieces_from_their_own_memory(
-    run_distributed: Any, world: int, src: int, long_path: bool
+    comm_run_distributed: Any, world: int, src: int, long_path: bool
 ) -> None:
     from comm_collectives.objects import DIRECT_BYTES
 
-    results = run_distributed(
+    results = comm_run_distributed(
         transport_cases.broadcast_large_pieces, src, long_path, world_size=world
     )
     expected = transport_cases.expected_large_object(src)

@@ -19,7 +19,7 @@ import torch
 
 import comm_collectives as dist
 from comm_collectives import _protocol as protocol
-from comm_core import CollectiveMismatchError, CommTimeoutError, RemoteRankError
+from comm_core import CollectiveMismatchError, CommTimeoutError, RemoteRankError, process_group
 
 # fault kinds: a bad argument, a local failure before the handshake ("local") or after it
 # ("staging", on the long path), a different dtype / shape / op or root on one rank
@@ -248,8 +248,10 @@ def debug_on_some_ranks() -> dict[str, Any]:
 
 def side_channel_matrix() -> dict[str, Any]:
     """The fault matrix with the headers on a CPU side group, as under nccl."""
-    saved = protocol.side_channel
-    protocol.side_channel = True
+    saved = protocol.side_channel, process_group._CPU_BACKENDS
+    # the nccl layout on gloo: headers on the CPU route, and gloo counted as a backend
+    # without CPU support, so the route is comm-core's CPU twin of the default group
+    protocol.side_channel, process_group._CPU_BACKENDS = True, ()
     try:
         out = _fault_matrix()
         group = torch.distributed.distributed_c10d._get_default_group()
@@ -257,4 +259,4 @@ def side_channel_matrix() -> dict[str, Any]:
         out["side group"] = side is not group and side is not None
         return out
     finally:
-        protocol.side_channel = saved
+        protocol.side_channel, process_group._CPU_BACKENDS = saved

@@ -4,8 +4,11 @@ reassembly of large in-band objects and the mode of part files."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +18,10 @@ import torch
 import torch.distributed as torch_dist
 
 import comm_collectives as dist
+from comm_collectives import _protocol as protocol
 from comm_collectives import _stream, results
-from comm_core.testing import WorldPool
+from comm_core import RemoteRankError
+from comm_core.testing import RanksFailedError, WorldPool
 
 
 def _caught(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
@@ -81,6 +86,132 @@ def test_a_folder_only_rank_0_sees_raises_on_every_rank(
         assert "rank 1 does not see the folder, which rank 0 has" in message
     assert not out[0]["exists"]  # rank 0 created it, so rank 0 removed it
     assert not out[1]["exists"]
+
+
+# ---------------------------------------------------------------- M5: a bad argument on one rank
+
+
+def bad_argument_on(victim: int, base: str) -> dict[str, Any]:
+    """One rank passes an invalid argument, by messages and through a folder (rank 0 creates
+    it): every rank raises at once, and the next call works."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    odd = rank == victim
+    folder = os.path.join(base, "parts")  # missing: rank 0 creates it, and must remove it
+    out: dict[str, Any] = {}
+    for tmpdir in (None, folder):
+        cases = {
+            "tuple": (((rank,) if odd else [rank]), world, "cpu"),
+            "size": ([rank], -1 if odd else world, "cpu"),
+            "device": ([rank], world, "npu" if odd else "cpu"),
+        }
+        for name, (part, size, device) in cases.items():
+            start = time.monotonic()
+            caught = _caught(dist.collect_results, part, size, device=device, tmpdir=tmpdir)
+            key = f"{name}/{'folder' if tmpdir else 'messages'}"
+            out[key] = (*caught, time.monotonic() - start)
+    dist.barrier()  # rank 0 has cleaned up before any rank looks
+    out["left"] = os.path.exists(folder)
+    out["again"] = dist.collect_results([rank], world)
+    return out
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(
+    comm_run_distributed: Any, tmp_path: Path, victim: int
+) -> None:
+    out = comm_run_distributed(bad_argument_on, victim, str(tmp_path), world_size=2, timeout=60)
+    for rank, r in enumerate(out):
+        for key in ("tuple", "size", "device"):
+            for path in ("messages", "folder"):
+                name, message, took = r[f"{key}/{path}"]
+                assert name == "RemoteRankError", (rank, key, path, message)
+                assert f"collect_results failed on rank(s) {victim}" in message
+                assert took < 10.0
+        assert "results must be a list, got tuple" in r["tuple/messages"][1]
+        assert "size must be >= 0, got -1" in r["size/folder"][1]
+        assert "device must be one of cpu, gpu, got 'npu'" in r["device/messages"][1]
+        assert r["left"] is False  # rank 0 removed the folder it created
+        assert r["again"] == ([0, 1] if rank == 0 else None)
+
+
+# ---------------------------------------------------------------- M10: a rank killed mid-call
+
+
+def _kill_me() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillOnPickle:
+    """Pickling it kills the sender: its part is then cut off in the middle of its stream."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _kill_me()
+        return (KillOnPickle, ())
+
+
+class KillOnLoad:
+    """Unpickling it kills the process that reads it: rank 0."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_kill_me, ())
+
+
+def killed_in_collect(victim: int, where: str, folder: str, tmpdir: str | None) -> str:
+    """``victim`` dies while collect_results streams (pickling its part, after 8 MiB were
+    sent) or, on rank 0, while reading the part of rank ``victim``. The survivors record
+    what they raised (the world ends with the dead rank)."""
+    protocol._LIVENESS_WAIT_S = 1.0
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part: list[Any] = [bytes(1 << 20) for _ in range(8)]
+    if rank == victim:
+        part.append(KillOnPickle() if where == "pickle" else KillOnLoad())
+    record: dict[str, Any] = {"raised": "", "ranks": None, "lost": False}
+    start = time.monotonic()
+    try:
+        dist.collect_results(part, world * 9, tmpdir=tmpdir)
+    except RemoteRankError as exc:
+        lost = [f.rank for f in exc.failures if f.error_type == "comm.RankLost"]
+        record.update(raised="RemoteRankError", ranks=list(exc.ranks), lost=lost)
+    except Exception as exc:
+        record["raised"] = f"unexpected {type(exc).__name__}: {exc}"
+    record["seconds"] = round(time.monotonic() - start, 3)
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+        json.dump(record, handle)
+    return "survived"
+
+
+@pytest.fixture(scope="module")
+def world_of_3() -> Iterator[WorldPool]:
+    # the process group's own timeout is far above the bound: no survivor may wait for it
+    with WorldPool(3, timeout=60.0, pg_timeout=60.0) as pool:
+        yield pool
+
+
+# (victim, where it dies, through a folder): a sender while it streams (rank 1: rank 2,
+# done with its part, waits for the verdict, which a broadcast would route through rank 1),
+# rank 0 while it reads a part (it then dies in the middle of the call on either path)
+KILLS = [(1, "pickle", False), (1, "load", False), (1, "load", True)]
+
+
+@pytest.mark.parametrize(("victim", "where", "folder"), KILLS)
+def test_a_rank_killed_in_collect_results_is_named_by_every_survivor(
+    world_of_3: WorldPool, tmp_path: Path, victim: int, where: str, folder: bool
+) -> None:
+    dead = 0 if where == "load" else victim
+    records = tmp_path / "records"
+    records.mkdir()
+    tmpdir = str(tmp_path / "parts") if folder else None
+    with pytest.raises(RanksFailedError) as info:
+        world_of_3.run(killed_in_collect, victim, where, str(records), tmpdir, timeout=60.0)
+    states = {r.rank: r.state for r in info.value.reports}
+    assert states == {r: "died" if r == dead else "ok" for r in range(3)}, str(info.value)
+    for rank in {0, 1, 2} - {dead}:
+        record = json.loads((records / f"rank{rank}.json").read_text())
+        assert record["raised"] == "RemoteRankError", record
+        assert dead in record["ranks"], record
+        assert dead in record["lost"], record
+        assert record["seconds"] < 10.0, record
 
 
 # ---------------------------------------------------------------- Minor 8: different paths

@@ -26,8 +26,8 @@ from comm_wrappers import (
 from . import cases
 
 
-def test_bad_options_say_what_is_valid(run_distributed: Any) -> None:
-    for r in run_distributed(cases.bad_inputs):
+def test_bad_options_say_what_is_valid(comm_run_distributed: Any) -> None:
+    for r in comm_run_distributed(cases.bad_inputs):
         assert r["strategy"][0] == "ValueError"
         assert "FULL_SHARD, HYBRID_SHARD, NO_SHARD, SHARD_GRAD_OP" in r["strategy"][1]
         assert "got 'FULL_SHARDED'" in r["strategy"][1]
@@ -52,15 +52,15 @@ def test_bad_options_say_what_is_valid(run_distributed: Any) -> None:
         assert r["adapted"] == ["loss"]
 
 
-def test_detect_anomalous_params_names_every_unused_parameter(run_distributed: Any) -> None:
-    for messages in run_distributed(cases.anomalous_params):
+def test_detect_anomalous_params_names_every_unused_parameter(comm_run_distributed: Any) -> None:
+    for messages in comm_run_distributed(cases.anomalous_params):
         assert len(messages) == 1
         assert "2 parameter(s)" in messages[0]
         assert "unused.weight, unused.bias" in messages[0]
 
 
-def test_registry_knows_torch_and_our_wrappers(run_distributed: Any) -> None:
-    for r in run_distributed(cases.registry_builtins):
+def test_registry_knows_torch_and_our_wrappers(comm_run_distributed: Any) -> None:
+    for r in comm_run_distributed(cases.registry_builtins):
         assert r == {
             "ddp": (True, True),
             "fsdp1": (True, "Net"),
@@ -70,8 +70,8 @@ def test_registry_knows_torch_and_our_wrappers(run_distributed: Any) -> None:
         }
 
 
-def test_param_init_fn_as_a_dict_materialises_a_meta_model(run_distributed: Any) -> None:
-    for r in run_distributed(cases.param_init_fn_dict):
+def test_param_init_fn_as_a_dict_materialises_a_meta_model(comm_run_distributed: Any) -> None:
+    for r in comm_run_distributed(cases.param_init_fn_dict):
         assert r == {"devices": ["cpu"], "same_on_ranks": True, "untouched": True}
 
 
@@ -257,8 +257,8 @@ def test_loss_model_adapter() -> None:
         model(torch.ones(1, 2), mode="train")
 
 
-def test_doctor_check_runs_one_ddp_step(run_distributed: Any) -> None:
-    for results in run_distributed(cases.doctor_check, world_size=3):
+def test_doctor_check_runs_one_ddp_step(comm_run_distributed: Any) -> None:
+    for results in comm_run_distributed(cases.doctor_check, world_size=3):
         (name, ok, detail), deepspeed_row = results
         assert (name, ok) == ("ddp train_step", True), detail
         assert deepspeed_row[0] == "deepspeed"
@@ -275,17 +275,17 @@ def test_deepspeed_module_without_deepspeed_says_how_to_install() -> None:
         import comm_wrappers.deepspeed  # noqa: F401
 
 
-def test_fsdp1_clipping_without_the_model_raises(run_distributed: Any) -> None:
-    for name, message in run_distributed(cases.fsdp1_clip_without_the_model):
+def test_fsdp1_clipping_without_the_model_raises(comm_run_distributed: Any) -> None:
+    for name, message in comm_run_distributed(cases.fsdp1_clip_without_the_model):
         assert name == "RuntimeError"
         assert "instead of this rank's shard" in message
         assert "optim_wrapper.optim_context(model)" in message
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_fsdp1(
-    run_distributed: Any,
+    comm_run_distributed: Any,
 ) -> None:
-    results = run_distributed(cases.fp16_overflow_on_one_rank_under_fsdp1)
+    results = comm_run_distributed(cases.fp16_overflow_on_one_rank_under_fsdp1)
     for use_fsdp in (False, True):
         states = [r[use_fsdp] for r in results]
         # Without use_fsdp the scaler is switched to FSDP's sharded one at the first step.
@@ -294,8 +294,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_fsdp1(
         assert not any(s["stepped"] for s in states)
 
 
-def test_review_regressions(run_distributed: Any) -> None:
-    for r in run_distributed(cases.review_errors):
+def test_review_regressions(comm_run_distributed: Any) -> None:
+    for r in comm_run_distributed(cases.review_errors):
         # The policy picks lin1 and lin2 (8 outputs each), plus the root.
         assert r["custom1"] == 3
         assert r["custom2"] == 3

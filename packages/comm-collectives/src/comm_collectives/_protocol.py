@@ -60,6 +60,7 @@ from comm_core import (
     RankFailure,
     RemoteRankError,
     get_comm_device,
+    get_cpu_group,
     get_rank,
     get_world_size,
 )
@@ -217,8 +218,15 @@ _unchecked_depth = 0
 
 
 def checks_enabled() -> bool:
-    """Return False inside [`unchecked`][comm_collectives.unchecked] (and not in debug mode)."""
-    return _unchecked_depth == 0 or debug_enabled()
+    """Return False inside [`unchecked`][comm_collectives.unchecked] (and not in
+    [`debug_mode`][comm_collectives.debug_mode]).
+
+    ``COMM_DEBUG`` does not turn the checks back on: it is read on each rank, and a rank
+    that set it alone would start a handshake while the others issue the backend's
+    collective (a hang, or the two collectives' bytes mixed). ``debug_mode`` is entered by
+    every rank at the same point of its program.
+    """
+    return _unchecked_depth == 0 or _debug_depth > 0
 
 
 @contextlib.contextmanager
@@ -232,7 +240,8 @@ def unchecked() -> Iterator[None]:
     detected: the other ranks wait for the process group's timeout, as with
     torch.distributed. The collectives that need every rank's size (gathers, object
     collectives, collect_results) keep their handshake. Every rank must enter and leave
-    the block at the same point of its program; debug mode turns the checks back on.
+    the block at the same point of its program; ``debug_mode`` turns the checks back on
+    (``COMM_DEBUG``, which a rank may set alone, does not).
 
     Examples:
         >>> import torch
@@ -380,13 +389,11 @@ def _state(group: torch_dist.ProcessGroup | None) -> _InlineState:
 # Where the headers travel. A group whose communication device is not the CPU (nccl)
 # exchanges them on a CPU side group, so reading them never waits for the device: the
 # data stays on the device and the host keeps running ahead. None: automatic; True forces
-# the side group (the tests run this path on gloo), False keeps the headers on the
-# communication device.
+# the CPU route, False keeps the headers on the communication device. The tests run the
+# nccl layout on gloo with True and comm-core's hook that makes gloo count as a backend
+# without CPU support (``comm_core.process_group._CPU_BACKENDS = ()``), so the side group
+# is a real twin distinct from the group.
 side_channel: bool | None = None
-
-_side_groups: weakref.WeakKeyDictionary[torch_dist.ProcessGroup, torch_dist.ProcessGroup] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def header_route(
@@ -412,27 +419,27 @@ def _has_cpu_backend(pg: torch_dist.ProcessGroup) -> bool:
 
 
 def _side_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup | None:
-    """The CPU group that carries the headers of ``group`` (``group`` itself when it has a
-    CPU backend of its own, as "cpu:gloo,cuda:nccl" groups do).
+    """The CPU group that carries the headers of ``group``; None when there is none.
 
-    The side group of the default group is a gloo group of every rank, created at the
-    first call on the default group: every rank makes that call at the same point of its
-    program, as torch requires of ``new_group``. A subgroup without a CPU backend (a pure
-    nccl subgroup) has no side group, since its non-members never make its calls: its
-    headers stay on the device.
+    For the default group that is [`get_cpu_group`][comm_core.get_cpu_group]'s twin, the
+    same gloo group of every rank that ``collect_results`` moves its parts on (``init_dist``
+    creates it under nccl; otherwise the first call on the default group does, on every
+    rank), or the default group itself when its backend moves CPU tensors.
+
+    A subgroup uses its own CPU backend when it has one ("cpu:gloo,cuda:nccl"). A pure nccl
+    subgroup keeps its headers on the device: its twin would be made by its members only,
+    with local synchronisation, and torch names such a group after the number of groups
+    each member knows, which differs when ranks made different subgroups before (as
+    ``get_cpu_group`` explains). ``collect_results`` may raise a clear error then, but a
+    plain collective must not fail because of the groups a rank made earlier.
     """
     c10d = torch_dist.distributed_c10d
     default = c10d._get_default_group()
     pg = default if group is None or group is torch_dist.group.WORLD else group
     if pg is not default:
         return pg if _has_cpu_backend(pg) else None
-    if side_channel is None and _has_cpu_backend(pg):
-        return pg
-    side = _side_groups.get(pg)
-    if side is None or side not in c10d._world.pg_map:
-        side = torch_dist.new_group(backend="gloo")
-        _side_groups[pg] = side
-    return side
+    twin = get_cpu_group(None)
+    return default if twin is None else twin
 
 
 def inline_capacity(group: torch_dist.ProcessGroup | None = None) -> int:

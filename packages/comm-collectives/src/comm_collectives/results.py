@@ -21,7 +21,7 @@ import itertools
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from ._protocol import (
     inline_capacity,
     raise_everywhere,
     signature_of,
+    transport,
 )
 from ._serialization import decode, dump, encode
 from ._stream import POST_AHEAD_BYTES, PartReader, PartWriter, PeerFailedError
@@ -113,24 +114,45 @@ def collect_results(
         On rank 0 the ``size`` results in order; None on the other ranks.
 
     Raises:
-        RemoteRankError: A rank could not pickle or write its part, or rank 0 could not
-            read one (for instance ``tmpdir`` is not shared by the nodes); raised on every
-            rank.
+        RemoteRankError: A rank passed an invalid argument (``results`` not a list, a
+            negative ``size``, an unknown ``device``), could not pickle or write its part,
+            or rank 0 could not read one (for instance ``tmpdir`` is not shared by the
+            nodes); raised on every rank.
         CollectiveMismatchError: The ranks passed different ``device`` or ``tmpdir`` modes.
 
     Examples:
         >>> collect_results([0, None, 2], size=2)  # a world of one
         [0, None]
     """
-    _check_args(results, size, device)
     if get_world_size(group) == 1:
+        _check_args(results, size, device)
         return results[:size]
+    try:
+        _check_args(results, size, device)
+    except Exception as exc:
+        _report_bad_args(exc, device, tmpdir, group)
     if device == "cpu" and tmpdir is not None:
         return _collect_through_folder(results, size, tmpdir, group)
     mode = _mode(device, tmpdir)
     if device == "cpu":
         return _collect_by_messages(results, size, get_cpu_group(group), torch.device("cpu"), mode)
     return _collect_by_messages(results, size, group, get_comm_device(group), mode)
+
+
+def _report_bad_args(
+    error: BaseException, device: str, tmpdir: str | None, group: torch_dist.ProcessGroup | None
+) -> NoReturn:
+    """Send an argument error in the first handshake of the call the other ranks make.
+
+    Every path of collect_results starts with a handshake on the group its device names (the
+    CPU group in cpu mode), so the other ranks raise at once instead of waiting for this
+    rank's part. An unknown device is sent on the CPU group, as cpu mode (the default) does.
+    """
+    device = device if device in _DEVICES else "cpu"
+    route = get_cpu_group(group) if device == "cpu" else group
+    header = Header("collect_results", error=error, signature=_mode(device, tmpdir))
+    handshake(header, route, same=_SAME, hint=_HINT)
+    raise error  # not reached: the handshake raises on every rank
 
 
 def collect_results_cpu(
@@ -165,21 +187,28 @@ def _collect_by_messages(
     error: BaseException | None = None
     failed = False
     for index, reader in enumerate(readers):
-        # the receives of this part, and of the next unless it is one large message, are
-        # posted before unpickling starts (a receive posted late costs milliseconds on gloo)
-        reader.post()
-        if index + 1 < len(readers) and readers[index + 1].count <= POST_AHEAD_BYTES:
-            readers[index + 1].post()
-        if not failed:
-            try:
-                parts.append(reader.load())
-            except PeerFailedError:  # the sender reports its own error in the verdict
-                failed = True
-            except Exception as exc:
-                error, failed = exc, True
-        # after a failure the remaining parts are still received: no sender is left
-        # blocked, and no stale message is left in the channel for a later call
-        reader.finish()
+        try:
+            # the receives of this part, and of the next unless it is one large message, are
+            # posted before unpickling starts (a receive posted late costs milliseconds on
+            # gloo)
+            reader.post()
+            if index + 1 < len(readers) and readers[index + 1].count <= POST_AHEAD_BYTES:
+                readers[index + 1].post()
+            if not failed:
+                try:
+                    parts.append(reader.load())
+                except PeerFailedError:  # the sender reports its own error in the verdict
+                    failed = True
+                except Exception as exc:
+                    error, failed = exc, True
+            # after a failure the remaining parts are still received: no sender is left
+            # blocked, and no stale message is left in the channel for a later call
+            reader.finish()
+        except RuntimeError as exc:
+            # the transport: this sender is gone (a killed process). The parts of the
+            # others are still received, and the verdict still goes out, so the live
+            # senders raise now instead of waiting for rank 0 until the timeout
+            error, failed = error or exc, True
     _verdict(failed, error, group, device)
     return _interleave(parts, size)
 
@@ -214,8 +243,10 @@ def _send_part(
         if writer.stage == "pickling":  # nothing sent yet: the handshake reports it
             handshake(Header("collect_results", error=exc, signature=mode), group)
         if writer.stage != "streaming":  # the handshake or the transport failed
-            raise
-        writer.fail()
+            with transport("collect_results", group):  # a lost rank 0: named
+                raise
+        with transport("collect_results", group):
+            writer.fail()
         error = exc
     _verdict(error is not None, error, group, device)
 
@@ -231,7 +262,34 @@ def _verdict(
     ``failed`` counts on rank 0 only; ``error`` is this rank's own failure, if any.
     """
     flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
-    torch_dist.broadcast(flag, global_rank(group, 0), group=group)
+    root = global_rank(group, 0)
+    with transport("collect_results", group):  # a lost rank: the library's error, naming it
+        if device.type != "cpu":
+            # a device group (nccl): one broadcast; messages to each rank would open a
+            # communicator per pair
+            torch_dist.broadcast(flag, root, group=group)
+        elif get_rank(group) != 0:
+            torch_dist.recv(flag, root, group=group)
+        else:
+            # on a CPU group rank 0 sends the verdict to each rank itself, not by a
+            # broadcast: a broadcast may route it through another rank, and when that rank
+            # is dead (killed in the middle of its part) the ranks behind it would wait for
+            # the verdict until the timeout
+            lost: RuntimeError | None = None
+            works = []
+            for peer in range(1, get_world_size(group)):
+                try:  # a send to a dead rank may fail at once or when waited for
+                    works.append(torch_dist.isend(flag, global_rank(group, peer), group=group))
+                except RuntimeError as exc:
+                    lost = lost or exc
+            for work in works:
+                try:
+                    if work is not None:
+                        work.wait()
+                except RuntimeError as exc:  # a dead rank: the others still hear the verdict
+                    lost = lost or exc
+            if lost is not None and not failed:  # the others finished: only rank 0 raises
+                raise lost
     if int(flag.item()):
         raise_everywhere("collect_results", error, group)
 
@@ -257,7 +315,12 @@ def _collect_through_folder(
         except Exception as exc:
             error = exc
     header = Header("collect_results", error=error, root=0, signature=mode)
-    handshake(header, cpu_group, same=_SAME, hint=_HINT)
+    try:
+        handshake(header, cpu_group, same=_SAME, hint=_HINT)
+    except BaseException:  # another rank failed (a bad argument): no folder is left behind
+        if created:
+            _remove_if_empty(tmpdir)
+        raise
     # 2. every other rank writes its part, atomically and private: rank 0 never sees a
     #    half-written file, and no other user can read or swap a part
     path = ""
