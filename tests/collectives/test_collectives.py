@@ -68,7 +68,9 @@ def test_all_reduce_every_op(comm_run_distributed: Any, path: str, world: int) -
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_all_gather_even_uneven_and_scalar(comm_run_distributed: Any, path: str, world: int) -> None:
+def test_all_gather_even_uneven_and_scalar(
+    comm_run_distributed: Any, path: str, world: int
+) -> None:
     for r in _run(comm_run_distributed, path, cases.all_gather_shapes, world_size=world):
         assert r["even"] == [[[float(k)] * 2] * 2 for k in range(world)]
         expected = [
@@ -360,7 +362,9 @@ def test_remote_rank_error_names_rank_and_cause(comm_run_distributed: Any) -> No
     for r in comm_run_distributed(cases.remote_error_details, world_size=3):
         assert r["ranks"] == (1,)
         assert r["operation"] == "all_gather_object"
-    assert comm_run_distributed(cases.remote_error_details, world_size=3)[1]["cause"] == "RuntimeError"
+    assert (
+        comm_run_distributed(cases.remote_error_details, world_size=3)[1]["cause"] == "RuntimeError"
+    )
 
 
 def test_mismatch_table_has_a_row_per_rank(comm_run_distributed: Any) -> None:

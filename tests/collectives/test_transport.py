@@ -15,7 +15,9 @@ from . import transport_cases
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_inline_capacity_adapts_the_same_on_every_rank(comm_run_distributed: Any, world: int) -> None:
+def test_inline_capacity_adapts_the_same_on_every_rank(
+    comm_run_distributed: Any, world: int
+) -> None:
     results = comm_run_distributed(transport_cases.capacity_adapts, world_size=world)
     # budget: min(256 KiB, 1 MiB // world), so an 800 KB object never rides inline
     assert results[0]["caps"] == {

@@ -23,7 +23,9 @@ FSDP1_STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ddp_equals_one_process_on_the_concatenated_batch(comm_run_distributed: Any, world: int) -> None:
+def test_ddp_equals_one_process_on_the_concatenated_batch(
+    comm_run_distributed: Any, world: int
+) -> None:
     for result in comm_run_distributed(cases.equivalence, "ddp", world_size=world):
         assert result["oracle"] < EXACT
 
@@ -47,7 +49,9 @@ def test_ddp_accumulation_adamw_and_clipping_equal_the_oracle(comm_run_distribut
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("strategy", FSDP1_STRATEGIES)
-def test_fsdp1_equals_ddp(comm_run_distributed: Any, strategy: str, offload: bool, world: int) -> None:
+def test_fsdp1_equals_ddp(
+    comm_run_distributed: Any, strategy: str, offload: bool, world: int
+) -> None:
     results = comm_run_distributed(
         cases.equivalence,
         "fsdp",
@@ -63,7 +67,9 @@ def test_fsdp1_equals_ddp(comm_run_distributed: Any, strategy: str, offload: boo
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("offload", [False, True])
 def test_fsdp2_equals_ddp(comm_run_distributed: Any, offload: bool, world: int) -> None:
-    results = comm_run_distributed(cases.equivalence, "fsdp2", cpu_offload=offload, world_size=world)
+    results = comm_run_distributed(
+        cases.equivalence, "fsdp2", cpu_offload=offload, world_size=world
+    )
     for result in results:
         assert result["oracle"] < EXACT
         assert result["ddp"] < EXACT
@@ -110,7 +116,9 @@ def test_bf16_autocast_on_cpu(comm_run_distributed: Any, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "fsdp2"])
-def test_val_and_test_step_run_through_the_sharded_forward(comm_run_distributed: Any, kind: str) -> None:
+def test_val_and_test_step_run_through_the_sharded_forward(
+    comm_run_distributed: Any, kind: str
+) -> None:
     for diff in comm_run_distributed(cases.fsdp_val_test_steps, kind, world_size=3):
         assert diff < EXACT
 

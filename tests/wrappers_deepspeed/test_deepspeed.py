@@ -78,7 +78,9 @@ def test_optimizer_state_round_trip(comm_run_distributed: Any, stage: int, world
 
 
 def test_should_update_and_config_forms(comm_run_distributed: Any, tmp_path: Any) -> None:
-    for result in comm_run_distributed(cases.boundaries_and_config_forms, str(tmp_path), timeout=180):
+    for result in comm_run_distributed(
+        cases.boundaries_and_config_forms, str(tmp_path), timeout=180
+    ):
         # Accumulation of 2: the second and fourth micro-steps update.
         assert result["updates"] == [False, True, False, True]
         assert "has no optimizer" in result["no_optimizer"]
