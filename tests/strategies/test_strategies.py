@@ -67,6 +67,7 @@ def test_prepare_twice_setup_env_and_deepspeed_forms(run_distributed: Any, tmp_p
         assert form["bf16"] is True
         assert form["bf16_params"] == {"torch.bfloat16"}
         assert form["micro_batch"] == 4
+        assert form["plain_loss_finite"] is True
         assert "gradient_accumulation_steps=4" in form["conflict"]
         assert "accumulative_counts is 2" in form["conflict"]
 

@@ -80,7 +80,7 @@ def load_tensor_file(
     except pickle.UnpicklingError as error:
         text = str(error)
         detail = _weights_only_detail(text)
-        if allow_unsafe_pickle or "Unsupported global" not in text:
+        if allow_unsafe_pickle or not _refused_by_weights_only(text):
             last = [line.strip() for line in text.splitlines() if line.strip()]
             message = (
                 f"{what} {path} is truncated or corrupt: it cannot be unpickled "
@@ -102,10 +102,22 @@ def load_tensor_file(
         raise CheckpointError(message) from error
 
 
+# What torch's weights-only unpickler says when it refuses an object (not a damaged file):
+# a class it does not allow ("Unsupported global"), a blocked module's function ("whose
+# module ... is blocked"), or any other refusal, all under "Weights only load failed".
+_WEIGHTS_ONLY_MARKS = ("Weights only load failed", "Unsupported global", "WeightsUnpickler error")
+
+
+def _refused_by_weights_only(text: str) -> bool:
+    return any(mark in text for mark in _WEIGHTS_ONLY_MARKS)
+
+
 def _weights_only_detail(text: str) -> str:
     """The line of torch's weights-only error that names the refused object."""
     for line in text.splitlines():
-        if "Unsupported global" in line or "WeightsUnpickler error" in line:
+        if any(mark in line for mark in ("Unsupported global", "WeightsUnpickler error")):
+            return line.strip()
+        if "unsupported GLOBAL" in line or "is blocked" in line:
             return line.strip()
     lines = text.strip().splitlines()
     return lines[0] if lines else "no detail"
