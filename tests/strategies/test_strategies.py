@@ -128,3 +128,21 @@ def test_checkpoints_through_the_strategies(run_distributed: Any, tmp_path: Any)
         assert result["state_keys"] == [
             "head.bias", "head.weight", "lin1.bias", "lin1.weight", "lin2.bias", "lin2.weight",
         ]  # fmt: skip
+
+
+def test_resume_latest_under_a_relative_work_dir(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.chdir(tmp_path)  # MMEngine's work dirs are relative: "work_dirs/<config>"
+    strategy = build_strategy("single", work_dir="work_dirs/run", seed=0)
+    model, _, _ = strategy.prepare(torch.nn.Linear(2, 1))
+    saved = strategy.save_checkpoint("step_3", extra={"step": 3})
+    assert saved.resolve() == (tmp_path / "work_dirs/run/step_3").resolve()
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    other = build_strategy("single", work_dir="work_dirs/run", seed=1)
+    other_model, _, _ = other.prepare(torch.nn.Linear(2, 1))
+    assert other.resume() == {"step": 3}  # found by find_latest, not taken twice under work_dir
+    for name, value in other_model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
