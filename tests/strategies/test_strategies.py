@@ -146,3 +146,26 @@ def test_resume_latest_under_a_relative_work_dir(
     assert other.resume() == {"step": 3}  # found by find_latest, not taken twice under work_dir
     for name, value in other_model.state_dict().items():
         assert torch.equal(value, weights[name]), name
+
+
+def test_config_dicts_with_built_optimizers_and_mmengine_scheduler_keys() -> None:
+    import torch
+
+    model = torch.nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"type": "OptimWrapper", "optimizer": sgd, "clip_grad": {"max_norm": 1.0}}
+    strategy = build_strategy("single")
+    prepared, optim, _ = strategy.prepare(model, optim_wrapper=config)
+    assert optim.optimizer is sgd  # the caller's optimizer, over the model's parameters
+    assert config["clip_grad"] == {"max_norm": 1.0} and config["optimizer"] is sgd
+    before = prepared.weight.detach().clone()
+    optim.update_params(prepared(torch.ones(1, 2)).sum())
+    # The gradients (weight [1, 1], bias 1) have norm sqrt(3), clipped to 1, times lr 0.1.
+    expected = before - 0.1 / 3**0.5
+    assert torch.allclose(prepared.weight.detach(), expected, atol=1e-7, rtol=0)
+    with pytest.raises(TypeError, match=r"by_epoch.*MMEngine's parameter schedulers"):
+        build_strategy("single").prepare(
+            torch.nn.Linear(2, 1),
+            optim_wrapper={"optimizer": {"type": torch.optim.SGD, "lr": 0.1}},
+            param_scheduler={"type": "MultiStepLR", "milestones": [2], "by_epoch": True},
+        )
