@@ -157,7 +157,8 @@ def test_config_dicts_with_built_optimizers_and_mmengine_scheduler_keys() -> Non
     strategy = build_strategy("single")
     prepared, optim, _ = strategy.prepare(model, optim_wrapper=config)
     assert optim.optimizer is sgd  # the caller's optimizer, over the model's parameters
-    assert config["clip_grad"] == {"max_norm": 1.0} and config["optimizer"] is sgd
+    assert config["clip_grad"] == {"max_norm": 1.0}
+    assert config["optimizer"] is sgd
     before = prepared.weight.detach().clone()
     optim.update_params(prepared(torch.ones(1, 2)).sum())
     # The gradients (weight [1, 1], bias 1) have norm sqrt(3), clipped to 1, times lr 0.1.
