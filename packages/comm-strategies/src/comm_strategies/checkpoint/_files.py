@@ -102,22 +102,22 @@ def load_tensor_file(
         raise CheckpointError(message) from error
 
 
-# What torch's weights-only unpickler says when it refuses an object (not a damaged file):
-# a class it does not allow ("Unsupported global"), a blocked module's function ("whose
-# module ... is blocked"), or any other refusal, all under "Weights only load failed".
-_WEIGHTS_ONLY_MARKS = ("Weights only load failed", "Unsupported global", "WeightsUnpickler error")
+# What torch's weights-only unpickler says when it refuses an object (not a damaged file,
+# which it reports as an "Unsupported operand"): a class it does not allow ("Unsupported
+# global"), a function of a blocked module such as os.system ("unsupported GLOBAL
+# posix.system whose module posix is blocked"), or a call of an unknown function.
+_REFUSALS = ("unsupported global", "is blocked", "unrecognized function", "unsupported class")
 
 
 def _refused_by_weights_only(text: str) -> bool:
-    return any(mark in text for mark in _WEIGHTS_ONLY_MARKS)
+    lowered = text.lower()
+    return any(mark in lowered for mark in _REFUSALS)
 
 
 def _weights_only_detail(text: str) -> str:
     """The line of torch's weights-only error that names the refused object."""
     for line in text.splitlines():
-        if any(mark in line for mark in ("Unsupported global", "WeightsUnpickler error")):
-            return line.strip()
-        if "unsupported GLOBAL" in line or "is blocked" in line:
+        if _refused_by_weights_only(line) or "WeightsUnpickler error" in line:
             return line.strip()
     lines = text.strip().splitlines()
     return lines[0] if lines else "no detail"
