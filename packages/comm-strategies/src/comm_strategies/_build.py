@@ -116,7 +116,7 @@ def build_optim_wrapper(config: Any, model: nn.Module) -> Any:
         raise TypeError(message)
     # Copied, never mutated; a built optimizer inside is the caller's own object, over the
     # model's parameters: a deep copy would hold copies of them.
-    options = {
+    options: dict[str, Any] = {
         key: value if isinstance(value, torch.optim.Optimizer) else copy.deepcopy(value)
         for key, value in config.items()
     }
