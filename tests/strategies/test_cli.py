@@ -155,3 +155,13 @@ def test_a_pickle_that_runs_code_is_refused_and_names_the_opt_in(
     # With the opt-in the file is what it says it is (and the payload runs: trusted files only).
     load_checkpoint(plain, model=torch.nn.Linear(2, 1), allow_unsafe_pickle=True)
     assert marker.exists()
+
+
+def test_inspect_a_deepspeed_folder(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # DeepSpeed's own folder (no manifest): consolidated, so only with the opt-in.
+    assert cli.main(["inspect", str(saved / "ds_0")]) == 2
+    assert "--allow-unsafe-pickle" in capsys.readouterr().err
+    assert cli.main(["inspect", "--allow-unsafe-pickle", str(saved / "ds_0")]) == 0
+    out = capsys.readouterr().out
+    assert "tensors      6 (130 elements; float32)" in out, out
+    assert "head.weight  (2, 8)  float32" in out, out
