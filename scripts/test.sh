@@ -27,7 +27,7 @@ log "docstring examples: comm-wrappers (comm_wrappers.deepspeed skipped: no Deep
 hatch run wrappers:doctest
 log "docstring examples: comm-wrappers with the deepspeed extra"; hatch run deepspeed:doctest
 log "docstring examples: comm-strategies";  hatch run strategies:doctest
-log "runnable code blocks of the docs";     hatch run deepspeed:examples
+log "runnable code blocks of the docs";     hatch run strategies:examples
 log "tests: comm-core (environment without the upper layers)"
 hatch run core:test
 log "tests: comm-collectives (environment without the upper layers)"

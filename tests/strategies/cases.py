@@ -170,6 +170,9 @@ def deepspeed_config_forms(path: str) -> dict[str, Any]:
         make_net(), dispatch_kwargs={"train_micro_batch_size_per_gpu": 4}
     )
     model2.train_step(batch(0, 0, dist.get_rank()), optim2)
+    # A plain loop calls the wrapper itself: inputs_to_half applies there too.
+    inputs, targets = batch(1, 0, dist.get_rank())
+    plain_loss = model2(inputs, targets, mode="loss")["loss"]
     conflict = build_strategy("deepspeed", gradient_accumulation_steps=4)
     try:
         conflict.prepare(make_net(), optim_wrapper=optim_config(2, None))
@@ -184,6 +187,7 @@ def deepspeed_config_forms(path: str) -> dict[str, Any]:
         "micro_batch": model2.model.train_micro_batch_size_per_gpu(),
         "bf16_params": {str(p.dtype) for p in model2.model.module.parameters()},
         "conflict": conflict_message,
+        "plain_loss_finite": bool(torch.isfinite(plain_loss).item()),
     }
 
 

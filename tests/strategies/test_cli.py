@@ -118,3 +118,50 @@ def test_console_script_and_module_run(saved: Path) -> None:
         )
         assert result.returncode == 0, result.stderr
         assert "world size 2" in result.stdout
+
+
+class _Payload:
+    """Unpickling it runs ``touch MARKER``: a file must never do that without the opt-in."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_runs_code_is_refused_and_names_the_opt_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from comm_strategies.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    marker = tmp_path / "executed"
+    model = torch.nn.Linear(2, 1)
+    plain = tmp_path / "m.pth"
+    torch.save({"state_dict": model.state_dict(), "payload": _Payload(marker)}, plain)
+    folder = save_checkpoint(tmp_path / "c", model=model, strategy="single", extra={"step": 1})
+    torch.save({"step": _Payload(marker)}, folder / "extra.pt")
+    for source in (plain, folder):
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(source, model=torch.nn.Linear(2, 1))
+        message = str(caught.value)
+        assert "allow_unsafe_pickle=True" in message, message
+        assert "truncated or corrupt" not in message, message
+        assert "posix.system" in message, message  # names what was refused
+    assert cli.main(["inspect", str(plain)]) == 2
+    err = capsys.readouterr().err
+    assert "--allow-unsafe-pickle" in err or "allow_unsafe_pickle" in err, err
+    assert not marker.exists()
+    # With the opt-in the file is what it says it is (and the payload runs: trusted files only).
+    load_checkpoint(plain, model=torch.nn.Linear(2, 1), allow_unsafe_pickle=True)
+    assert marker.exists()
+
+
+def test_inspect_a_deepspeed_folder(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # DeepSpeed's own folder (no manifest): consolidated, so only with the opt-in.
+    assert cli.main(["inspect", str(saved / "ds_0")]) == 2
+    assert "--allow-unsafe-pickle" in capsys.readouterr().err
+    assert cli.main(["inspect", "--allow-unsafe-pickle", str(saved / "ds_0")]) == 0
+    out = capsys.readouterr().out
+    assert "tensors      6 (130 elements; float32)" in out, out
+    assert "head.weight  (2, 8)  float32" in out, out

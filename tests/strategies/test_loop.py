@@ -63,14 +63,14 @@ def _run_script(strategy: str, nproc: int) -> list[float]:
     return _losses(done.stdout)
 
 
-def test_the_loop_gives_the_same_losses_under_every_strategy(run_distributed: Any) -> None:
+def test_the_loop_gives_the_same_losses_under_every_strategy(comm_run_distributed: Any) -> None:
     # Every strategy computes the same updates from the same global batches: the printed
     # (rank-averaged) losses agree to the printed digits.
     reference = _run_script("single", 1)  # a plain process
     assert len(reference) == 3
     assert reference[-1] < reference[0]
     names = ["ddp", "fsdp", "fsdp2", "deepspeed"]
-    by_rank = run_distributed(run_loop_in_world, names, timeout=240)
+    by_rank = comm_run_distributed(run_loop_in_world, names, timeout=240)
     for name in names:
         assert by_rank[0][name] == pytest.approx(reference, abs=2e-4), name
     # The script itself under torchrun, and a distributed strategy in a plain process (a

@@ -30,8 +30,8 @@ def run_all(with_checkpoints: bool) -> list[dict[str, Any]]:
     ]
 
 
-def test_flexible_runner_with_every_comm_strategy(run_distributed: Any) -> None:
-    results = run_distributed(run_all, CHECKPOINTS, timeout=300)
+def test_flexible_runner_with_every_comm_strategy(comm_run_distributed: Any) -> None:
+    results = comm_run_distributed(run_all, CHECKPOINTS, timeout=300)
     reference = results[0][0]["params"]
     for rank_results in results:
         for spec, result in zip(STRATEGIES, rank_results):
@@ -69,8 +69,8 @@ def run_single(with_checkpoints: bool) -> dict[str, Any]:
     return runner_cases.train_validate(spec, runner_cases.work_dir(), with_checkpoints)
 
 
-def test_flexible_runner_with_the_single_device_strategy(run_distributed: Any) -> None:
-    (result,) = run_distributed(run_single, CHECKPOINTS, world_size=1, timeout=180)
+def test_flexible_runner_with_the_single_device_strategy(comm_run_distributed: Any) -> None:
+    (result,) = comm_run_distributed(run_single, CHECKPOINTS, world_size=1, timeout=180)
     assert result["strategy"] == "CommSingleDeviceStrategy"
     assert result["accuracy"] >= 0.75
     assert result["lr"] == pytest.approx(0.1)

@@ -34,8 +34,8 @@ MATRIX: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def test_every_strategy_equals_the_oracle(run_distributed: Any) -> None:
-    results = run_distributed(cases.matrix, MATRIX, timeout=240)
+def test_every_strategy_equals_the_oracle(comm_run_distributed: Any) -> None:
+    results = comm_run_distributed(cases.matrix, MATRIX, timeout=240)
     for rank_results in results:
         for (name, options), result in zip(MATRIX, rank_results):
             label = f"{name} {options}"
@@ -49,10 +49,12 @@ def test_every_strategy_equals_the_oracle(run_distributed: Any) -> None:
             assert result["unwrapped"] in ("Net", "FSDPNet"), label  # FSDP2 subclasses it
 
 
-def test_prepare_twice_setup_env_and_deepspeed_forms(run_distributed: Any, tmp_path: Any) -> None:
-    twice = run_distributed(cases.prepare_twice, "fsdp2", timeout=120)
+def test_prepare_twice_setup_env_and_deepspeed_forms(
+    comm_run_distributed: Any, tmp_path: Any
+) -> None:
+    twice = comm_run_distributed(cases.prepare_twice, "fsdp2", timeout=120)
     assert all("prepare was called already" in message for message in twice)
-    facts = run_distributed(cases.setup_env_facts, timeout=60)
+    facts = comm_run_distributed(cases.setup_env_facts, timeout=60)
     for rank, fact in enumerate(facts):
         assert fact["before"] is None
         assert fact["same_seed"]
@@ -60,13 +62,16 @@ def test_prepare_twice_setup_env_and_deepspeed_forms(run_distributed: Any, tmp_p
         assert fact["ranked"]
         assert (fact["rank"], fact["world"], fact["distributed"]) == (rank, 2, True)
         assert fact["owns_group"] is False  # the world existed: not ours to destroy
-    forms = run_distributed(cases.deepspeed_config_forms, str(tmp_path / "ds.json"), timeout=240)
+    forms = comm_run_distributed(
+        cases.deepspeed_config_forms, str(tmp_path / "ds.json"), timeout=240
+    )
     for form in forms:
         assert form["stage"] == 2  # the keyword wins over the file
         assert form["diff"] < EXACT
         assert form["bf16"] is True
         assert form["bf16_params"] == {"torch.bfloat16"}
         assert form["micro_batch"] == 4
+        assert form["plain_loss_finite"] is True
         assert "gradient_accumulation_steps=4" in form["conflict"]
         assert "accumulative_counts is 2" in form["conflict"]
 
@@ -115,9 +120,9 @@ def test_registry_names_and_errors() -> None:
     assert {"single", "ddp", "fsdp", "fsdp2", "deepspeed"} <= set(available_strategies())
 
 
-def test_checkpoints_through_the_strategies(run_distributed: Any, tmp_path: Any) -> None:
+def test_checkpoints_through_the_strategies(comm_run_distributed: Any, tmp_path: Any) -> None:
     folder = str(tmp_path)
-    for result in run_distributed(cases.strategy_checkpoints, folder, timeout=240):
+    for result in comm_run_distributed(cases.strategy_checkpoints, folder, timeout=240):
         assert result["path"] == f"{folder}/work/step_2"  # relative to work_dir
         assert result["extra"] == {"step": 2}
         assert result["after_resume"] == 0.0  # FSDP2's checkpoint resumed under DDP
@@ -127,3 +132,45 @@ def test_checkpoints_through_the_strategies(run_distributed: Any, tmp_path: Any)
         assert result["state_keys"] == [
             "head.bias", "head.weight", "lin1.bias", "lin1.weight", "lin2.bias", "lin2.weight",
         ]  # fmt: skip
+
+
+def test_resume_latest_under_a_relative_work_dir(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.chdir(tmp_path)  # MMEngine's work dirs are relative: "work_dirs/<config>"
+    strategy = build_strategy("single", work_dir="work_dirs/run", seed=0)
+    model, _, _ = strategy.prepare(torch.nn.Linear(2, 1))
+    saved = strategy.save_checkpoint("step_3", extra={"step": 3})
+    assert saved.resolve() == (tmp_path / "work_dirs/run/step_3").resolve()
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    other = build_strategy("single", work_dir="work_dirs/run", seed=1)
+    other_model, _, _ = other.prepare(torch.nn.Linear(2, 1))
+    assert other.resume() == {"step": 3}  # found by find_latest, not taken twice under work_dir
+    for name, value in other_model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+
+
+def test_config_dicts_with_built_optimizers_and_mmengine_scheduler_keys() -> None:
+    import torch
+
+    model = torch.nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"type": "OptimWrapper", "optimizer": sgd, "clip_grad": {"max_norm": 1.0}}
+    strategy = build_strategy("single")
+    prepared, optim, _ = strategy.prepare(model, optim_wrapper=config)
+    assert optim.optimizer is sgd  # the caller's optimizer, over the model's parameters
+    assert config["clip_grad"] == {"max_norm": 1.0}
+    assert config["optimizer"] is sgd
+    before = prepared.weight.detach().clone()
+    optim.update_params(prepared(torch.ones(1, 2)).sum())
+    # The gradients (weight [1, 1], bias 1) have norm sqrt(3), clipped to 1, times lr 0.1.
+    expected = before - 0.1 / 3**0.5
+    assert torch.allclose(prepared.weight.detach(), expected, atol=1e-7, rtol=0)
+    with pytest.raises(TypeError, match=r"by_epoch.*MMEngine's parameter schedulers"):
+        build_strategy("single").prepare(
+            torch.nn.Linear(2, 1),
+            optim_wrapper={"optimizer": {"type": torch.optim.SGD, "lr": 0.1}},
+            param_scheduler={"type": "MultiStepLR", "milestones": [2], "by_epoch": True},
+        )

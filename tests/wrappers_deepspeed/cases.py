@@ -136,7 +136,16 @@ def inputs_to_half() -> str:
         model, config, make_optimizer(model.parameters(), "adamw"), inputs_to_half=[0]
     )
     cast = wrapper._cast_inputs_half(batch(0, 0, 0))
-    return f"{cast[0].dtype} {cast[1].dtype}"
+    # A plain loop calls the wrapper itself: the same cast, by position or by keyword.
+    inputs, targets = batch(0, 0, 0)
+    by_position = wrapper(inputs, targets, mode="loss")["loss"]
+    other = make_net()
+    keyed, _ = initialize(
+        other, config, make_optimizer(other.parameters(), "adamw"), inputs_to_half=["inputs"]
+    )
+    by_name = keyed(inputs=inputs, targets=targets, mode="loss")["loss"]
+    finite = all(bool(torch.isfinite(loss)) for loss in (by_position, by_name))
+    return f"{cast[0].dtype} {cast[1].dtype} direct calls finite: {finite}"
 
 
 def mmengine_base_model(stage: int) -> dict[str, float]:

@@ -58,8 +58,8 @@ def test_zero_grad_optim_context_and_val_step(comm_run_distributed: Any) -> None
 
 def test_inputs_to_half(comm_run_distributed: Any) -> None:
     assert comm_run_distributed(cases.inputs_to_half, timeout=180) == [
-        "torch.bfloat16 torch.float32",
-        "torch.bfloat16 torch.float32",
+        "torch.bfloat16 torch.float32 direct calls finite: True",
+        "torch.bfloat16 torch.float32 direct calls finite: True",
     ]
 
 

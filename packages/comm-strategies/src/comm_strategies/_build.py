@@ -114,7 +114,12 @@ def build_optim_wrapper(config: Any, model: nn.Module) -> Any:
             f"{type(config).__name__}"
         )
         raise TypeError(message)
-    options = copy.deepcopy(dict(config))
+    # Copied, never mutated; a built optimizer inside is the caller's own object, over the
+    # model's parameters: a deep copy would hold copies of them.
+    options: dict[str, Any] = {
+        key: value if isinstance(value, torch.optim.Optimizer) else copy.deepcopy(value)
+        for key, value in config.items()
+    }
     kind = options.pop("type", "OptimWrapper")
     if "optimizer" not in options:
         message = (
@@ -169,8 +174,24 @@ def build_schedulers(config: Any, optimizer: Any) -> list[Any]:
             torch.optim.lr_scheduler,
             "param_scheduler",
         )
-        built.append(kind(optimizer, **options))
+        mmengine_only = sorted(set(options) & _MMENGINE_SCHEDULER_KEYS)
+        try:
+            built.append(kind(optimizer, **options))
+        except TypeError as error:
+            if not mmengine_only:
+                raise
+            message = (
+                f"param_scheduler {getattr(kind, '__name__', kind)!r}: {error}. The keys "
+                f"{mmengine_only} belong to MMEngine's parameter schedulers; configs here are "
+                "built with torch.optim.lr_scheduler (drop them, counting in steps), or run "
+                "under MMEngine's FlexibleRunner with comm_strategies.integrations.mmengine, "
+                "which builds them with MMEngine's PARAM_SCHEDULERS"
+            )
+            raise TypeError(message) from error
     return built
+
+
+_MMENGINE_SCHEDULER_KEYS = {"by_epoch", "begin", "end", "convert_to_iter_based"}
 
 
 def _clean_name(name: str) -> str:

@@ -396,10 +396,12 @@ class Strategy:
             if latest is None:
                 message = f"resume(): no complete checkpoint under {self._work_dir}"
                 raise FileNotFoundError(message)
-            path = latest
+            source = Path(latest)  # already under work_dir (relative when work_dir is)
+        else:
+            source = self._resolve(path)
         return dict(
             checkpoint.load_checkpoint(
-                self._resolve(path),
+                source,
                 model=self.model,
                 optim_wrapper=self.optim_wrapper,
                 schedulers=self.param_schedulers,

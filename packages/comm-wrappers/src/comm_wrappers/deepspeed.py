@@ -184,7 +184,15 @@ class MMDeepSpeedEngineWrapper(nn.Module):
             return getattr(engine, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the engine."""
+        """Call the engine; the ``inputs_to_half`` positions and keywords are cast first.
+
+        A plain loop calls the wrapper directly (``model(inputs, labels, mode="loss")``),
+        so the cast of `train_step` applies here too: positions index ``args``, names
+        ``kwargs``.
+        """
+        if self.inputs_to_half is not None:
+            args = self._cast_inputs_half(args)
+            kwargs = self._cast_inputs_half(kwargs)
         return self.model(*args, **kwargs)
 
     def _half_dtype(self) -> torch.dtype | None:

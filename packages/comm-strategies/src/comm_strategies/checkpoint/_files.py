@@ -80,7 +80,7 @@ def load_tensor_file(
     except pickle.UnpicklingError as error:
         text = str(error)
         detail = _weights_only_detail(text)
-        if allow_unsafe_pickle or "Unsupported global" not in text:
+        if allow_unsafe_pickle or not _refused_by_weights_only(text):
             last = [line.strip() for line in text.splitlines() if line.strip()]
             message = (
                 f"{what} {path} is truncated or corrupt: it cannot be unpickled "
@@ -102,10 +102,22 @@ def load_tensor_file(
         raise CheckpointError(message) from error
 
 
+# What torch's weights-only unpickler says when it refuses an object (not a damaged file,
+# which it reports as an "Unsupported operand"): a class it does not allow ("Unsupported
+# global"), a function of a blocked module such as os.system ("unsupported GLOBAL
+# posix.system whose module posix is blocked"), or a call of an unknown function.
+_REFUSALS = ("unsupported global", "is blocked", "unrecognized function", "unsupported class")
+
+
+def _refused_by_weights_only(text: str) -> bool:
+    lowered = text.lower()
+    return any(mark in lowered for mark in _REFUSALS)
+
+
 def _weights_only_detail(text: str) -> str:
     """The line of torch's weights-only error that names the refused object."""
     for line in text.splitlines():
-        if "Unsupported global" in line or "WeightsUnpickler error" in line:
+        if _refused_by_weights_only(line) or "WeightsUnpickler error" in line:
             return line.strip()
     lines = text.strip().splitlines()
     return lines[0] if lines else "no detail"
