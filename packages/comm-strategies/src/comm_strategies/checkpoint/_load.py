@@ -18,13 +18,12 @@ from ._manifest import MANIFEST_NAME, Manifest, read_manifest
 from ._models import (
     check_against,
     deepspeed_engine,
-    get_model_state,
-    get_optim_state,
     model_kind,
     quiet_torch,
     scalers_of,
     set_model_state,
     set_optim_state,
+    sharded_state,
 )
 from ._save import (
     DCP_FOLDER,
@@ -318,14 +317,9 @@ def _load_dcp(
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     check_against(_expected_params(model, kind), manifest.params, str(source), strict)
-    state: dict[str, Any] = {"model": get_model_state(model, kind, full=False, rank0_only=False)}
+    state = sharded_state(model, kind, optimizers)
     if not strict:
         state["model"] = {k: v for k, v in state["model"].items() if k in manifest.params}
-    if optimizers:
-        state["optim"] = {
-            key: get_optim_state(model, kind, optimizer, full=False, rank0_only=False)
-            for key, optimizer in optimizers.items()
-        }
     try:
         with quiet_torch():
             dcp_load(state, checkpoint_id=str(source / DCP_FOLDER))

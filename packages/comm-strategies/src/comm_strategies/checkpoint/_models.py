@@ -201,6 +201,20 @@ def get_optim_state(
         return to_cpu(dsd.get_optimizer_state_dict(target, optimizer, options=options))
 
 
+def sharded_state(
+    model: nn.Module, kind: str, optimizers: Mapping[str, torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """``{"model": ..., "optim": {key: ...}}`` as torch distributed checkpoint saves and loads
+    it: every rank's own shards ("optim" only when there are optimizers)."""
+    state: dict[str, Any] = {"model": get_model_state(model, kind, full=False, rank0_only=False)}
+    if optimizers:
+        state["optim"] = {
+            key: get_optim_state(model, kind, optimizer, full=False, rank0_only=False)
+            for key, optimizer in optimizers.items()
+        }
+    return state
+
+
 def set_model_state(
     model: nn.Module, kind: str, state: Mapping[str, Any], *, full: bool, strict: bool
 ) -> None:

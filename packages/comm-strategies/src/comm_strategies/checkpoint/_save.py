@@ -26,6 +26,7 @@ from ._models import (
     model_kind,
     quiet_torch,
     scalers_of,
+    sharded_state,
     sharding_of,
 )
 from ._state import DEFAULT_KEY, _named_optimizers, _refuse_deepspeed_optimizer
@@ -296,12 +297,7 @@ def _save_dcp(
     """Each rank writes its shards with torch distributed checkpoint (collective)."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    state: dict[str, Any] = {"model": get_model_state(model, kind, full=False, rank0_only=False)}
-    if optimizers:
-        state["optim"] = {
-            key: get_optim_state(model, kind, optimizer, full=False, rank0_only=False)
-            for key, optimizer in optimizers.items()
-        }
+    state = sharded_state(model, kind, optimizers)
     try:
         with quiet_torch():
             dcp_save(state, checkpoint_id=str(folder / DCP_FOLDER))
