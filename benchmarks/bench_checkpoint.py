@@ -28,7 +28,6 @@ Writes DIR/results.md and DIR/results.json. The DeepSpeed rows need DeepSpeed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -41,12 +40,12 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
+from _common import rank_env, write_results
 from bench_collectives import _rss_kib, _trim
 from torch import nn
 
 from comm_core.testing import launch
 
-ROOT = Path(__file__).resolve().parents[1]
 Op = Callable[[], Any]
 
 
@@ -335,14 +334,7 @@ def main() -> int:
         "depth": 2 if args.smoke else 4,
         "memory_rounds": 1 if args.smoke else 3,
     }
-    env = {
-        "OMP_NUM_THREADS": "1",
-        "TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(ROOT / ".tools" / "torch-extensions")
-        ),
-        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-    }
-    os.environ.update(env)
+    env = rank_env()
     skipped = {}
     try:
         import deepspeed  # noqa: F401
@@ -367,12 +359,7 @@ def main() -> int:
         memory_env = {**env, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
         result["memory"] = launch(memory_rank, settings, nprocs=2, timeout=1800, env=memory_env)[0]
     result["seconds"] = round(time.perf_counter() - started, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    table = markdown(result)
-    (out / "results.md").write_text(table)
-    print(table)
+    write_results(Path(args.out), result, markdown(result))
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
 import pickle
 import statistics
@@ -37,6 +36,7 @@ from comm_core.testing import launch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _chart import ratio_chart
+from _common import write_results
 
 gather_flat = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
 
@@ -420,13 +420,7 @@ def main() -> int:
     result["repeats"] = repeats
     result["bound_to_cores"] = bind
     result["torch"] = torch.__version__
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    table = _markdown(result)
-    (out / "results.md").write_text(table)
-    (out / "chart.svg").write_text(chart(result))
-    print(table)
+    write_results(Path(args.out), result, _markdown(result), chart(result))
     return 0
 
 

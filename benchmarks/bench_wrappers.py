@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import logging
 import os
 import statistics
@@ -56,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from _chart import ratio_chart
+from _common import rank_env, write_results
 from bench_collectives import _rss_kib, _trim, bind_to_cores
 from torch import nn
 
@@ -68,7 +68,6 @@ from comm_wrappers import (
     OptimWrapper,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("DDP", "FSDP1", "FSDP2", "DeepSpeed")
 IMPLEMENTATIONS = ("raw", "comm", "comm, BaseModel", "mmengine")
 NUM_CLASSES = 10
@@ -629,18 +628,7 @@ def main() -> int:
         "memory_steps": 2 if args.smoke else 10,
         "memory_rounds": 1 if args.smoke else 3,
     }
-    env = {
-        "OMP_NUM_THREADS": "1",
-        # DeepSpeed JIT-builds a small C++ op on its first start (~25 s): keep it where
-        # later runs (and the tests, scripts/lib.sh) find it. Another Python environment
-        # needs a folder of its own: torch names the build after the op alone, so two
-        # environments sharing a folder rebuild it for each other.
-        "TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(ROOT / ".tools" / "torch-extensions")
-        ),
-        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-    }
-    os.environ.update(env)
+    env = rank_env()
     # Imported here first, once: mmengine writes yapf's grammar cache on its first import,
     # and two ranks doing that at once may read each other's half-written file.
     skipped = {}
@@ -681,13 +669,7 @@ def main() -> int:
         seconds=seconds,
         versions=versions(skipped),
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    table = markdown(result)
-    (out / "results.md").write_text(table)
-    (out / "chart.svg").write_text(chart(result))
-    print(table)
+    write_results(Path(args.out), result, markdown(result), chart(result))
     return 0
 
 

@@ -1,0 +1,39 @@
+"""What the benchmark scripts share: the ranks' environment and the results folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rank_env() -> dict[str, str]:
+    """The environment of the ranks, applied to this process too (DeepSpeed reads it here).
+
+    One thread a rank. DeepSpeed JIT-builds a small C++ op on its first start (~25 s): keep
+    it where later runs (and the tests, scripts/lib.sh) find it. Another Python environment
+    needs a folder of its own: torch names the build after the op alone, so two environments
+    sharing a folder rebuild it for each other.
+    """
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(ROOT / ".tools" / "torch-extensions")
+        ),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+    }
+    os.environ.update(env)
+    return env
+
+
+def write_results(out: Path, result: Any, table: str, svg: str | None = None) -> None:
+    """Write results.json, results.md (and chart.svg) into ``out``; print the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text(table)
+    if svg is not None:
+        (out / "chart.svg").write_text(svg)
+    print(table)
