@@ -13,6 +13,8 @@ import comm_collectives as dist
 from comm_collectives import _protocol as protocol
 from comm_core import CollectiveMismatchError, RemoteRankError, process_group
 
+from .cases import _caught
+
 N = 200  # elements: the largest dtype (16 bytes) fits the first inline capacity (4 KiB)
 
 
@@ -65,14 +67,6 @@ def paths_agree(names: list[str], ops: list[str]) -> dict[str, Any]:
                 "result": value if isinstance(results[1], list) else [],
             }
     return out
-
-
-def _caught(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return type(exc).__name__, str(exc)
-    return "", ""
 
 
 def dtype_codes() -> dict[str, Any]:
