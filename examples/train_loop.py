@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> None:
         optim_wrapper={"type": "OptimWrapper", "optimizer": {"type": "AdamW", "lr": 2e-3}},
         param_scheduler={"type": "CosineAnnealingLR", "T_max": args.steps},
     )
-    images, labels = load_digits()
+    # The data goes where the strategy put the model (the GPU under nccl, else the CPU).
+    device = next(model.parameters()).device
+    images, labels = (t.to(device) for t in load_digits())
     rank, world = strategy.rank, strategy.world_size
     generator = torch.Generator().manual_seed(0)  # the same batches on every rank
     for step in range(args.steps):

@@ -1,7 +1,12 @@
-"""Under nccl the handshake never waits for the device (needs two CUDA devices)."""
+"""Under nccl the handshake never waits for the device (skipped without CUDA).
+
+A world of N ranks needs N GPUs (nccl refuses two ranks on one device): a one-GPU
+machine runs the world of one, where the checks still run through the side group.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -9,10 +14,15 @@ import torch
 
 from comm_core.testing import WorldPool
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.device_count() < 2,
-    reason="needs two CUDA devices (nccl refuses two ranks on one device)",
-)
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+WORLDS = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def nccl_world(request: pytest.FixtureRequest) -> Iterator[WorldPool]:
+    with WorldPool(request.param, backend="nccl", timeout=120.0) as pool:
+        yield pool
 
 
 def no_host_sync() -> dict[str, Any]:
@@ -26,26 +36,43 @@ def no_host_sync() -> dict[str, Any]:
     route = protocol.header_route(group)
     t = torch.full((1000,), float(rank + 1), device="cuda")
     d = {"a": torch.full((3,), float(rank), device="cuda")}
+    b = torch.full((4,), float(rank + 10), device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # a synchronising call raises
     try:
         dist.all_reduce(t)
         dist.all_reduce_dict(d, op="mean")
+        dist.broadcast(b, src=0)
+        gathered = dist.all_gather(t[:2])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    results = dist.collect_results(
+        [rank * 10 + i for i in range(3)], 3 * dist.get_world_size(), device="gpu"
+    )
     return {
         "route_device": str(route[1]),
         "side": route[0] is not group,
         "sum": t.tolist()[:2],
         "mean": d["a"].tolist(),
+        "broadcast": b.tolist(),
+        "gathered": [g.tolist() for g in gathered],
+        "gathered_device": sorted({g.device.type for g in gathered}),
+        "results": results,
     }
 
 
-def test_nccl_headers_travel_on_the_cpu_and_the_data_stays_on_the_device() -> None:
-    with WorldPool(2, backend="nccl", timeout=120.0) as pool:
-        results = pool.run(no_host_sync)
-    for r in results:
+def test_nccl_headers_travel_on_the_cpu_and_the_data_stays_on_the_device(
+    nccl_world: WorldPool,
+) -> None:
+    world = nccl_world.world_size
+    total = float(sum(r + 1 for r in range(world)))
+    for rank, r in enumerate(nccl_world.run(no_host_sync)):
         assert r["route_device"] == "cpu"
         assert r["side"] is True
-        assert r["sum"] == [3.0, 3.0]
-        assert r["mean"] == [0.5] * 3
+        assert r["sum"] == [total, total]
+        assert r["mean"] == [(world - 1) / 2] * 3
+        assert r["broadcast"] == [10.0] * 4
+        assert r["gathered"] == [[total, total]] * world
+        assert r["gathered_device"] == ["cuda"]
+        if rank == 0:  # collect_results interleaves the ranks' parts
+            assert r["results"] == [q * 10 + i for i in range(3) for q in range(world)]

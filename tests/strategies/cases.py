@@ -76,9 +76,10 @@ def train_with(
     # Single: every rank trains alone, on the batches the oracle of a world of one sees.
     rank = 0 if name == "single" else dist.get_rank()
     world = 1 if name == "single" else dist.get_world_size()
+    device = next(model.parameters()).device  # single puts a plain module on the GPU if any
     for step in range(steps):
         for micro in range(accum):
-            data = batch(step, micro, rank)
+            data = tuple(t.to(device) for t in batch(step, micro, rank))
             if loop == "train_step":
                 model.train_step(data, optim)
             else:  # the user's own loop: forward in the optimizer's context, update_params

@@ -47,10 +47,17 @@ class Classifier(BaseModel):  # type: ignore[misc]
         logits = self.body(torch.stack(inputs) if isinstance(inputs, list) else inputs)
         if mode == "loss":
             return {
-                "loss": torch.nn.functional.cross_entropy(logits, torch.as_tensor(data_samples))
+                "loss": torch.nn.functional.cross_entropy(
+                    logits, torch.as_tensor(data_samples, device=logits.device)
+                )
             }
         if mode == "predict":
-            return list(zip(logits.argmax(-1).tolist(), torch.as_tensor(data_samples).tolist()))
+            return list(
+                zip(
+                    logits.argmax(-1).tolist(),
+                    torch.as_tensor(data_samples, device=logits.device).tolist(),
+                )
+            )
         return logits
 
 

@@ -164,7 +164,7 @@ def test_config_dicts_with_built_optimizers_and_mmengine_scheduler_keys() -> Non
     assert config["clip_grad"] == {"max_norm": 1.0}
     assert config["optimizer"] is sgd
     before = prepared.weight.detach().clone()
-    optim.update_params(prepared(torch.ones(1, 2)).sum())
+    optim.update_params(prepared(torch.ones(1, 2, device=prepared.weight.device)).sum())
     # The gradients (weight [1, 1], bias 1) have norm sqrt(3), clipped to 1, times lr 0.1.
     expected = before - 0.1 / 3**0.5
     assert torch.allclose(prepared.weight.detach(), expected, atol=1e-7, rtol=0)

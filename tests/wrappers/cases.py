@@ -120,7 +120,7 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
 
 
 def wrap(kind: str, **options: Any) -> nn.Module:
@@ -496,11 +496,14 @@ def anomalous_params() -> list[str]:
 
 
 def registry_builtins() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     net = make_net()
     ddp = nn.parallel.DistributedDataParallel(net)
-    sharded = fully_shard(make_net())
+    # torch's default mesh is on the machine's accelerator: a gloo world needs a CPU one
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sharded = fully_shard(make_net(), mesh=mesh)
     fsdp1 = FullyShardedDataParallel(make_net(), device_id=torch.device("cpu"))
     ours = MMFullyShardedDataParallel2(make_net())
     return {

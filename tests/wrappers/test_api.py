@@ -264,6 +264,16 @@ def test_doctor_check_runs_one_ddp_step(comm_run_distributed: Any) -> None:
         assert deepspeed_row[0] == "deepspeed"
 
 
+def test_doctor_check_in_a_plain_process_is_not_applicable() -> None:
+    from comm_wrappers.doctor import check
+
+    ddp_row, deepspeed_row = check()  # no process group in pytest's process
+    assert (ddp_row.name, ddp_row.ok, ddp_row.detail) == (
+        "ddp train_step", True, "n/a (no process group)"
+    )  # fmt: skip
+    assert deepspeed_row.name == "deepspeed"
+
+
 def test_deepspeed_module_without_deepspeed_says_how_to_install() -> None:
     import importlib.util
 

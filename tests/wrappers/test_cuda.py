@@ -1,13 +1,34 @@
-"""CUDA paths in one process. This machine has no GPU: these run where one is present."""
+"""CUDA paths: one process, and nccl worlds on the GPUs there are. Skipped without CUDA.
+
+A world of N ranks needs N GPUs (nccl refuses two ranks on one device), so a one-GPU
+machine runs the worlds of one: every wrapper still builds, moves the batches, shards,
+scales and steps on the GPU through nccl.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
+from comm_core.testing import WorldPool
 from comm_wrappers import AmpOptimWrapper
 
+from . import cuda_cases
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+WORLDS = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+EXACT = 1e-5  # float32 on the GPU: the same kernels, another reduction order at world 2
+AMP = 2e-3  # autocast: the same half-precision ops in another order
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def nccl_world(request: pytest.FixtureRequest) -> Iterator[WorldPool]:
+    with WorldPool(request.param, backend="nccl", timeout=180.0) as pool:
+        yield pool
 
 
 def test_fp16_autocast_and_grad_scaler_on_cuda() -> None:
@@ -22,3 +43,41 @@ def test_fp16_autocast_and_grad_scaler_on_cuda() -> None:
     # The scaled gradient is unscaled before the step: weight 1 - 1 * grad 1 = 0.
     assert model.weight.tolist() == [[0.0, 0.0]]
     assert wrapper.state_dict()["loss_scaler"]["scale"] == 1024.0
+
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("ddp", {}),
+    ("ddp", {"accum": 2, "clip": 0.05, "optimizer": "adamw"}),
+    ("ddp", {"amp": "float16", "clip": 0.05}),
+    ("ddp", {"amp": "bfloat16"}),
+    ("fsdp", {}),
+    ("fsdp", {"sharding_strategy": "SHARD_GRAD_OP", "accum": 2, "clip": 0.05}),
+    ("fsdp", {"amp": "float16", "clip": 0.05}),
+    ("fsdp", {"cpu_offload": True}),
+    ("fsdp2", {}),
+    ("fsdp2", {"accum": 2, "clip": 0.05, "optimizer": "adamw"}),
+    ("fsdp2", {"amp": "bfloat16"}),
+    ("fsdp2", {"cpu_offload": True}),
+]
+
+
+@pytest.mark.parametrize(("kind", "options"), CASES, ids=[f"{k}-{o}" for k, o in CASES])
+def test_wrapper_on_the_gpu_equals_plain_torch_on_the_gpu(
+    nccl_world: WorldPool, kind: str, options: dict[str, Any]
+) -> None:
+    for result in nccl_world.run(cuda_cases.cuda_equivalence, kind, **options):
+        bound = AMP if "amp" in options else EXACT
+        assert result["oracle"] < bound, result
+        offloaded = options.get("cpu_offload", False)
+        assert result["param_device"] == ("cpu" if offloaded else "cuda"), result
+        if options.get("amp") == "float16":
+            # the sharded scaler under FSDP1, torch's scaler under DDP; no step overflowed
+            expected = "ShardedGradScaler" if kind == "fsdp" else "GradScaler"
+            assert result["scaler"] == expected, result
+            assert result["scale"] == 65536.0, result
+
+
+def test_separate_ddp_moves_children_to_the_gpu(nccl_world: WorldPool) -> None:
+    for result in nccl_world.run(cuda_cases.separate_ddp_on_the_gpu):
+        assert result["devices"] == ["cuda"]
+        assert result["loss"] > 0

@@ -26,9 +26,9 @@ except ImportError as _error:  # pragma: no cover - exercised in an environment 
     )
     raise ImportError(_message) from _error
 
-from comm_collectives import get_local_rank
+from comm_collectives import cast_data_device, get_local_rank
 
-from ._model import check_mode_argument, model_parse_losses, preprocess, run_forward
+from ._model import _flat_on, check_mode_argument, model_parse_losses, preprocess, run_forward
 from ._registry import _register_imported, register_model_wrapper
 from .ddp import require_process_group
 
@@ -188,8 +188,15 @@ class MMDeepSpeedEngineWrapper(nn.Module):
 
         A plain loop calls the wrapper directly (``model(inputs, labels, mode="loss")``),
         so the cast of `train_step` applies here too: positions index ``args``, names
-        ``kwargs``.
+        ``kwargs``. Tensors on another device are moved to the engine's first, as DDP and
+        FSDP move a plain loop's CPU batch to the GPU.
         """
+        device = self.model.device
+        if device.type != "cpu":
+            if not _flat_on(args, device):
+                args = cast_data_device(args, device)
+            if kwargs:
+                kwargs = cast_data_device(kwargs, device)
         if self.inputs_to_half is not None:
             args = self._cast_inputs_half(args)
             kwargs = self._cast_inputs_half(kwargs)

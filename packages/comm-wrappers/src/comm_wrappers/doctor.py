@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from comm_collectives import get_comm_device, get_rank, get_world_size
+from comm_collectives import get_comm_device, get_device, get_rank, get_world_size, is_distributed
 from comm_collectives.doctor import CheckResult
 
 from ._model import LossModel
@@ -27,6 +27,8 @@ def check() -> list[CheckResult]:
 
 
 def _check_ddp_step() -> CheckResult:
+    if not is_distributed():  # DDP needs a process group: nothing to check in a plain process
+        return CheckResult("ddp train_step", True, "n/a (no process group)")
     rank, world = get_rank(), get_world_size()
     device = get_comm_device()
     net = torch.nn.Linear(2, 1, bias=False).to(device)
@@ -47,9 +49,14 @@ def _check_ddp_step() -> CheckResult:
 def _check_deepspeed() -> CheckResult:
     if importlib.util.find_spec("deepspeed") is None:
         return CheckResult("deepspeed", True, "not installed")
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:  # not imported: DeepSpeed's import logs to stdout, inside the doctor's table
+        ds_version = version("deepspeed")
+    except PackageNotFoundError:
+        ds_version = "(version unknown)"
+    # DeepSpeed's own choice: DS_ACCELERATOR, else the machine's accelerator
+    accelerator = os.environ.get("DS_ACCELERATOR") or get_device()
     tools = {
         "g++": shutil.which("g++") or shutil.which("c++"),
         "ninja": shutil.which("ninja"),
@@ -57,7 +64,7 @@ def _check_deepspeed() -> CheckResult:
     }
     missing = [name for name, found in tools.items() if not found]
     cache = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
-    detail = f"{deepspeed.__version__} on {get_accelerator().device_name()}"
+    detail = f"{ds_version} on {accelerator}"
     if missing:
         return CheckResult(
             "deepspeed", False, f"{detail}; cannot build ops: no {', '.join(missing)}"

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
 )
 
-from comm_collectives import get_device
+from comm_collectives import get_comm_device, get_device, is_distributed
 
 from ._fsdp_options import (
     coerce_auto_wrap_policy,
@@ -35,7 +35,14 @@ _MIXED_PRECISION_FIELDS = tuple(field.name for field in dataclasses.fields(Mixed
 
 
 def default_device_id() -> torch.device:
-    """The device FSDP should use: the current accelerator, or the CPU."""
+    """The device FSDP should use: the one the default process group communicates on.
+
+    The current accelerator under nccl, the CPU under gloo (also on a machine with a GPU:
+    gloo has no reduce-scatter for CUDA tensors), or the machine's best device when no
+    process group exists.
+    """
+    if is_distributed():
+        return get_comm_device()
     device_type = get_device()
     if device_type == "cpu":
         return torch.device("cpu")

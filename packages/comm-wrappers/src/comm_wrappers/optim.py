@@ -537,15 +537,15 @@ class AmpOptimWrapper(OptimWrapper):
 
 
 def _autocast_device(model: Any) -> str:
-    from comm_collectives import get_device
-
     from ._registry import is_model_wrapper, module_device
+    from .fsdp import default_device_id
 
     if not isinstance(model, nn.Module):
-        return get_device()
+        return default_device_id().type
     device_type = module_device(model).type
     if device_type == "cpu" and is_model_wrapper(model):
-        return get_device()  # FSDP with CPU offload computes on the accelerator
+        # FSDP with CPU offload computes on the process group's device (GPU under nccl)
+        return default_device_id().type
     return device_type
 
 

@@ -7,14 +7,12 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from comm_collectives import get_device
-
 from ._registry import register_model_wrapper
 from .ddp import MMDistributedDataParallel, require_process_group
+from .fsdp import default_device_id
 
 __all__ = ["MMSeparateDistributedDataParallel"]
 
@@ -64,7 +62,7 @@ class MMSeparateDistributedDataParallel(nn.Module):
             )
             raise ValueError(message)
         super().__init__()
-        device = torch.device(get_device())
+        device = default_device_id()  # the process group's: CPU under gloo, GPU under nccl
         if _HAS_FORWARD_SYNC_BUFFERS:
             # torch >= 2.13 deprecates broadcast_buffers for forward_sync_buffers (which
             # still syncs the buffers once, at construction).

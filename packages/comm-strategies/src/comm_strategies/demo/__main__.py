@@ -1,7 +1,7 @@
 """``python -m comm_strategies.demo``: the digits under every strategy, then a summary table.
 
-Each strategy runs in its own processes (torchrun with ``--nproc`` local CPU ranks; one
-process for ``single``), on 127.0.0.1 only. The DeepSpeed run's checkpoint is then loaded
+Each strategy runs in its own processes (torchrun with ``--nproc`` local ranks: one per GPU
+under nccl on a GPU machine, else 2 CPU ranks under gloo; one process for ``single``), on 127.0.0.1 only. The DeepSpeed run's checkpoint is then loaded
 for evaluation by one plain process.
 """
 
@@ -68,11 +68,22 @@ def _size(value: Any) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--nproc", type=int, default=2, help="local CPU ranks (default 2)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks (default: one per GPU, else 2 CPU ranks)",
+    )
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     args = parser.parse_args(argv)
+    import torch
+
+    gpus = torch.cuda.device_count()  # nccl takes one rank per GPU; gloo ranks share the CPU
+    where = "GPU" if gpus else "CPU"
+    if args.nproc is None:
+        args.nproc = gpus or 2
     checkpoints = _checkpoints_available()
     began = time.perf_counter()
     rows = []
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 "single", 1, work, 0, ["--load", str(work / "ckpt-deepspeed")], args.timeout
             )
     print()
-    print(f"digits ({args.epochs} epochs, global batch 64, AdamW), {args.nproc} CPU ranks:")
+    print(f"digits ({args.epochs} epochs, global batch 64, AdamW), {args.nproc} {where} ranks:")
     header = f"| {'strategy':<10} | {'ranks':>5} | {'accuracy':>8} | {'time/step':>9} | {'checkpoint':>10} | {'wall':>6} |"
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")

@@ -20,6 +20,7 @@ import torch
 
 import comm_collectives as dist
 from comm_strategies import build_strategy
+from comm_wrappers import unwrap_model
 
 from . import TRAIN_SIZE, DigitsNet, load_digits
 
@@ -65,7 +66,7 @@ def evaluate(model: Any, images: torch.Tensor, labels: torch.Tensor) -> float:
     with torch.no_grad():
         logits = model(images[mine], mode="predict")
     model.train()
-    correct = torch.tensor([float((logits.argmax(-1) == labels[mine]).sum())])
+    correct = (logits.argmax(-1) == labels[mine]).sum().float().reshape(1)
     dist.all_reduce(correct)
     return float(correct) / len(labels)
 
@@ -100,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         optim_wrapper=optim_cfg,
         dispatch_kwargs={"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world},
     )
-    images, labels = load_digits()
+    # The data goes where the model is: the GPU of this rank under nccl, else the CPU.
+    device = next(unwrap_model(model).parameters()).device
+    images, labels = (t.to(device) for t in load_digits())
     train_x, train_y = images[:TRAIN_SIZE], labels[:TRAIN_SIZE]
     test_x, test_y = images[TRAIN_SIZE:], labels[TRAIN_SIZE:]
     if args.load is not None:
