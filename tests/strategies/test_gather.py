@@ -17,7 +17,8 @@ def test_fsdp1_flat_shards_equal_torch_full_state(comm_pools: Any, world: int) -
     for key, (taken, mismatches, count) in results[0].items():
         assert taken, key
         assert mismatches == [], key
-        assert count == 13, key  # 9 parameters, "scale", 3 BatchNorm buffers; "scratch" is not persistent
+        # 9 parameters, "scale" and 3 BatchNorm buffers; "scratch" is not persistent
+        assert count == 13, key
     for rank_results in results[1:]:
         assert all(taken and got == {} for taken, got, _ in rank_results.values())
 

@@ -149,8 +149,7 @@ _Entry = tuple[str, "_Piece | torch.Tensor"]
 
 def _fsdp1_unit_pieces(unit: Any, me: int) -> list[_Piece] | None:
     """The pieces of one FSDP1 unit at rest, or None for a layout not read directly."""
-    from torch.distributed.fsdp._common_utils import TrainingState
-    from torch.distributed.fsdp._flat_param import HandleTrainingState
+    from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
 
     handle = unit._handle
     if handle is None:
@@ -174,7 +173,8 @@ def _fsdp1_unit_pieces(unit: Any, me: int) -> list[_Piece] | None:
     sharded = strategy != "NO_SHARD"
     chunk = -(-total // len(ranks)) if sharded else 0
     if sharded:  # the local shard, resharded, no writeback pending
-        if not handle.is_sharded(flat) or flat.data_ptr() != flat._local_shard.data_ptr():
+        shard = getattr(flat, "_local_shard", flat)  # set by the first forward's lazy init
+        if not handle.is_sharded(flat) or flat.data_ptr() != shard.data_ptr():
             return None
         if flat.numel() != chunk:
             return None
@@ -222,7 +222,8 @@ def _fsdp1_entries(root: Any, me: int) -> list[_Entry] | None:
             return None
         if not pieces:
             continue
-        flat = unit._handle.flat_param
+        handle: Any = unit._handle
+        flat = handle.flat_param
         managed.add(id(flat))
         managed.update(id(p) for p in flat._params or ())
         for info, piece in zip(flat._param_infos, pieces, strict=True):
