@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -38,12 +41,14 @@ class Model(nn.Module):
         return self.head(self.block(self.norm(self.lin1(inputs))) * self.scale)
 
 
-def fsdp1(strategy: str, wrap: bool, orig: bool, **kwargs: Any) -> Any:
+def fsdp1(strategy: str, wrap: bool, orig: bool, checkpointed: bool = False, **kwargs: Any) -> Any:
     """An FSDP1 model whose every rank starts from its own values."""
     torch.manual_seed(100 + dist.get_rank())
     module = Model()
     with torch.no_grad():
         module.block[1].running_mean.add_(dist.get_rank())  # rank 0's buffers are saved
+    if checkpointed:  # names with _checkpoint_wrapped_module. inside, hooks that drop it
+        apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, nn.Linear))
     policy = ModuleWrapPolicy({nn.Linear, nn.Sequential}) if wrap else None
     return MMFullyShardedDataParallel(
         module, sharding_strategy=strategy, auto_wrap_policy=policy, use_orig_params=orig, **kwargs
@@ -78,27 +83,26 @@ def fast_path_matches_torch() -> dict[str, Any]:
         taken.append(state is not None)
         return state
 
-    for strategy in STRATEGIES:
-        for wrap in (False, True):
-            for orig in (False, True):
-                model = fsdp1(strategy, wrap, orig)
-                if wrap and strategy != "NO_SHARD":  # a step (the unwrapped: never run)
-                    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-                    model(torch.randn(4, 5)).sum().backward()
-                    optimizer.step()
-                want = _oracle(model)
-                taken.clear()
-                _gather._fsdp1_state = spy
-                try:
-                    got = _gather.full_state_to_rank0(model, "fsdp1")
-                finally:
-                    _gather._fsdp1_state = real
-                key = f"{strategy} wrap={wrap} orig={orig}"
-                if dist.get_rank() == 0:
-                    assert got is not None
-                    results[key] = (taken == [True], _compare(got, want), len(got))
-                else:
-                    results[key] = (taken == [True], got, 0)
+    layouts = [(s, w, o, False) for s in STRATEGIES for w in (False, True) for o in (False, True)]
+    for strategy, wrap, orig, checkpointed in [*layouts, ("FULL_SHARD", True, False, True)]:
+        model = fsdp1(strategy, wrap, orig, checkpointed)
+        if wrap and strategy != "NO_SHARD":  # a step (the unwrapped: never run)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            model(torch.randn(4, 5)).sum().backward()
+            optimizer.step()
+        want = _oracle(model)
+        taken.clear()
+        _gather._fsdp1_state = spy
+        try:
+            got = _gather.full_state_to_rank0(model, "fsdp1")
+        finally:
+            _gather._fsdp1_state = real
+        key = f"{strategy} wrap={wrap} orig={orig} checkpointed={checkpointed}"
+        if dist.get_rank() == 0:
+            assert got is not None
+            results[key] = (taken == [True], _compare(got, want), len(got))
+        else:
+            results[key] = (taken == [True], got, 0)
     return results
 
 
@@ -111,5 +115,8 @@ def refused_layouts() -> dict[str, Any]:
     precision = MixedPrecision(buffer_dtype=torch.float16)
     model = fsdp1("FULL_SHARD", wrap=False, orig=True, mixed_precision=precision)
     out["buffers in low precision"] = _gather._fsdp1_state(model)
+    model = fsdp1("FULL_SHARD", wrap=False, orig=False)
+    model.module.head._register_state_dict_hook(lambda *args: None)
+    out["a state-dict hook"] = _gather._fsdp1_state(model)
     out["after refusals, a layout it reads"] = _gather._fsdp1_state(fsdp1("NO_SHARD", True, True))
     return {k: v if v is None else "a state" for k, v in out.items()}

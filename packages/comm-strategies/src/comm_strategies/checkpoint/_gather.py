@@ -4,11 +4,17 @@ torch's full state dict of an FSDP model costs more than the model on the saving
 FSDP1 gathers every parameter on every rank and copies it (2x the model on a CPU device,
 where its offload to rank 0 crashes), FSDP2 keeps a gathered copy of the parameter being
 moved (1x the model plus its largest parameter). Here rank 0 allocates each full tensor
-once and receives every rank's rows into their slice of it: the saving rank holds the
+once and receives every rank's part into its slice of it: the saving rank holds the
 model once, the other ranks nothing beyond their shards.
 
-Only the plain layout is handled (each parameter split along its first dimension over
-one group that holds rank 0); anything else returns None and the caller takes torch's way.
+FSDP2's parts come from its sharded state dict (row slices of DTensors). FSDP1's sharded
+state dict would unshard each flat parameter on every rank first (one more model for a
+model wrapped as one unit), so its parts are read from each unit's local FlatParameter
+shard: element ranges of the original parameters, known from torch's flat layout.
+
+Only the plain layouts are handled (FSDP2: each parameter split along its first dimension
+over one group that holds rank 0; FSDP1: FULL_SHARD, SHARD_GRAD_OP or NO_SHARD over the
+whole world, at rest); anything else returns None and the caller takes torch's way.
 """
 
 from __future__ import annotations
@@ -147,7 +153,7 @@ class _Piece:
 _Entry = tuple[str, "_Piece | torch.Tensor"]
 
 
-def _fsdp1_unit_pieces(unit: Any, me: int) -> list[_Piece] | None:
+def _fsdp1_unit_pieces(unit: Any) -> list[_Piece] | None:
     """The pieces of one FSDP1 unit at rest, or None for a layout not read directly."""
     from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
 
@@ -180,7 +186,7 @@ def _fsdp1_unit_pieces(unit: Any, me: int) -> list[_Piece] | None:
             return None
     elif flat.numel() != total:
         return None
-    if handle._use_orig_params and not _views_current(handle, me):
+    if handle._use_orig_params and not _views_current(handle):
         return None
     pieces: list[_Piece] = []
     start = 0
@@ -192,7 +198,7 @@ def _fsdp1_unit_pieces(unit: Any, me: int) -> list[_Piece] | None:
     return pieces if len(pieces) == len(flat._fqns) else None
 
 
-def _views_current(handle: Any, me: int) -> bool:
+def _views_current(handle: Any) -> bool:
     """Whether each original parameter still views the flat parameter (nothing to write back)."""
     flat = handle.flat_param
     storage = flat.untyped_storage().data_ptr()
@@ -204,10 +210,13 @@ def _views_current(handle: Any, me: int) -> bool:
     return True
 
 
-def _fsdp1_entries(root: Any, me: int) -> list[_Entry] | None:
+def _fsdp1_entries(root: Any) -> list[_Entry] | None:
     """Every state entry of an FSDP1 model in torch's order and names, or None."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    wrappers = (FullyShardedDataParallel, ActivationWrapper)  # their hooks only drop prefixes
 
     owned: dict[int, list[tuple[str, _Piece]]] = {}
     managed: set[int] = set()
@@ -217,7 +226,7 @@ def _fsdp1_entries(root: Any, me: int) -> list[_Entry] | None:
             continue
         if unit._ignored_params:
             return None
-        pieces = _fsdp1_unit_pieces(unit, me)
+        pieces = _fsdp1_unit_pieces(unit)
         if pieces is None:
             return None
         if not pieces:
@@ -235,6 +244,9 @@ def _fsdp1_entries(root: Any, me: int) -> list[_Entry] | None:
             return None  # a parameter FSDP does not manage
         if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
             return None
+        hooked = module._state_dict_hooks or module._state_dict_pre_hooks
+        if hooked and not isinstance(module, wrappers):
+            return None  # a hook that may rename or add entries
         dotted = f"{prefix}." if prefix else ""
         for name, piece in owned.get(id(module), []):
             entries.append((clean_tensor_name(dotted + name), piece))
@@ -261,7 +273,7 @@ def _agreed(ok: bool) -> bool:
 def _fsdp1_state(root: Any) -> dict[str, torch.Tensor] | None:
     """FSDP1's full state on rank 0 from the flat shards, or None (agreed by every rank)."""
     me = torch_dist.get_rank()
-    entries = _fsdp1_entries(root, me)
+    entries = _fsdp1_entries(root)
     if not _agreed(entries is not None) or entries is None:
         return None
     out: dict[str, torch.Tensor] = {}
