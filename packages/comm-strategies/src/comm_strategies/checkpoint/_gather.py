@@ -285,7 +285,7 @@ def _fsdp1_state(root: Any) -> dict[str, torch.Tensor] | None:
             elif value.chunk == 0:  # NO_SHARD: rank 0 holds the whole flat parameter
                 if me == 0:
                     span = value.local[value.start : value.start + value.numel]
-                    out[name] = span.cpu().clone().view(value.shape)
+                    out[name] = span.to("cpu", copy=True).view(value.shape)
             elif me == 0:
                 out[name] = _receive_piece(value)
             else:
