@@ -18,7 +18,8 @@ repeats of the ratio of the two samples taken in the same repeat.
 
 Memory, in a world of its own with glibc's mmap threshold at 128 KiB (freed blocks leave
 the resident set): the peak RSS growth of rank 0 while it saves a full (``sharded=False``)
-checkpoint of the model alone, sharded by FSDP2 and by FSDP1, over the model's size.
+checkpoint of the model alone, sharded by FSDP2 and by FSDP1, over the model's size, and
+the time of that save (slowest rank, median of the rounds).
 
     python benchmarks/bench_checkpoint.py [--smoke] [--repeats N] [--out DIR]
 
@@ -250,19 +251,25 @@ def memory_rank(settings: dict[str, Any]) -> dict[str, Any]:
         size = model_bytes(module)
         model = wrapper(module)
         del module
-        peaks = []
+        peaks, seconds = [], []
         for round_ in range(settings["memory_rounds"]):
             _trim()
             barrier()
             with open("/proc/self/clear_refs", "w") as handle:
                 handle.write("5")
             before = _rss_kib("VmRSS")
+            start = time.perf_counter()
             save_checkpoint(
                 folder / f"{name}-{round_}", model=model, strategy="fsdp", sharded=False
             )
+            seconds.append(slowest(time.perf_counter() - start))
             peaks.append((_rss_kib("VmHWM") - before) * 1024)
             barrier()
-        out[name] = {"model_bytes": size, "peak_bytes": int(statistics.median(peaks))}
+        out[name] = {
+            "model_bytes": size,
+            "peak_bytes": int(statistics.median(peaks)),
+            "save_ms": statistics.median(seconds) * 1e3,
+        }
         del model
         barrier()
     if rank == 0:
@@ -304,12 +311,15 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "| full save of an FSDP model (rank 0) | model size (MiB) | peak RSS growth (MiB) "
-        "| growth / model size |",
-        "|---|---:|---:|---:|",
+        "| growth / model size | save (ms) |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name, figures in result.get("memory", {}).items():
         size, peak = figures["model_bytes"], figures["peak_bytes"]
-        lines.append(f"| {name} | {size / 2**20:.1f} | {peak / 2**20:.1f} | {peak / size:.2f}x |")
+        lines.append(
+            f"| {name} | {size / 2**20:.1f} | {peak / 2**20:.1f} | {peak / size:.2f}x "
+            f"| {figures['save_ms']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
