@@ -85,6 +85,14 @@ def test_world_of_one_under_pytorch_env_then_init_twice(
     assert dist.get_local_group() is None
 
 
+def test_default_timeout_is_torchs_for_the_backend() -> None:
+    from comm_core.process_group import DEFAULT_TIMEOUT_S, _default_timeout
+
+    assert _default_timeout("nccl") == 600.0  # a hang under nccl surfaces in 10 minutes
+    assert _default_timeout("cpu:gloo,cuda:nccl") == 600.0
+    assert _default_timeout("gloo") == DEFAULT_TIMEOUT_S == 1800.0
+
+
 def test_cuda_device_of_a_local_rank() -> None:
     from comm_core.process_group import _cuda_index
 

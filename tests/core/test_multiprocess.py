@@ -74,11 +74,16 @@ def _uneven_nodes() -> dict[str, Any]:
     os.environ["GROUP_RANK"] = "0" if rank < 2 else "1"
     try:
         dist.init_local_group()
+        group = dist.get_local_group()
+        known = len(torch_dist.distributed_c10d._world.pg_names)
+        dist.init_local_group()  # the same layout again (MMEngine-style code): no new groups
         total = torch.tensor([rank + 1.0])
         torch_dist.all_reduce(total, group=dist.get_local_group())
         out = {
             "local": (dist.get_local_rank(), dist.get_local_size()),
             "sum": total.item(),
+            "same_group": dist.get_local_group() is group,
+            "new_groups": len(torch_dist.distributed_c10d._world.pg_names) - known,
         }
     finally:
         if saved is None:
@@ -96,6 +101,7 @@ def test_init_local_group_uneven_nodes_every_rank_creates_every_group(
     results = comm_run_distributed(_uneven_nodes, world_size=3)
     assert [r["local"] for r in results] == [(0, 2), (1, 2), (0, 1)]
     assert [r["sum"] for r in results] == [3.0, 3.0, 3.0]  # 1+2 on node 0, 3 on node 1
+    assert all(r["same_group"] and r["new_groups"] == 0 for r in results)
 
 
 def _mmengine_style_blocks() -> tuple[int, int, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -25,13 +26,34 @@ _MIN_POOLED = 1 << 20  # smaller buffers come from malloc's heap, already warm
 _GRAIN = 1 << 20
 
 
+_DEFAULT_MB = 256.0
+_warned: set[str] = set()
+
+
 def _limit() -> int:
-    raw = os.environ.get("COMM_BUFFER_CACHE_MB", "256").strip()
+    """The cache's size in bytes; a value that is not a number is ignored with a warning.
+
+    Never raises: it is read where a buffer comes back, inside a ``weakref.finalize``
+    callback, where an exception is only printed and the buffer would be dropped, and a
+    setting that differs between ranks must not make one rank fail in a collective.
+    """
+    raw = os.environ.get("COMM_BUFFER_CACHE_MB", "").strip()
+    if not raw:
+        return int(_DEFAULT_MB * 2**20)
     try:
-        return max(0, int(float(raw) * 2**20))
+        value = float(raw)
+        if value != value:  # nan
+            raise ValueError
     except ValueError:
-        message = f"COMM_BUFFER_CACHE_MB must be a number of MiB, got {raw!r}."
-        raise ValueError(message) from None
+        if raw not in _warned:
+            _warned.add(raw)
+            message = (
+                f"COMM_BUFFER_CACHE_MB must be a number of MiB, got {raw!r}; the default "
+                f"{_DEFAULT_MB:g} MiB is used. Set it to a number (0 keeps no buffers)."
+            )
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        value = _DEFAULT_MB
+    return max(0, int(min(value, 2.0**40) * 2**20))
 
 
 class _Pool:

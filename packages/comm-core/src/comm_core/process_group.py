@@ -27,8 +27,9 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 1800.0
-"""Default collective timeout in seconds: 30 minutes, torch's default for gloo (torch's own
-default for nccl is 10 minutes: pass ``timeout=600`` to match it)."""
+"""Default collective timeout in seconds without NCCL: 30 minutes, torch's default for gloo."""
+
+_NCCL_TIMEOUT_S = 600.0  # torch's own default for nccl: a hang there surfaces in 10 minutes
 
 _TORCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -38,6 +39,7 @@ class _LocalGroup:
 
     group: ClassVar[torch_dist.ProcessGroup | None] = None
     owner: ClassVar[object | None] = None
+    layout: ClassVar[tuple[tuple[int, ...], ...]] = ()
 
 
 def default_backend() -> str:
@@ -49,7 +51,7 @@ def init_dist(
     launcher: str,
     backend: str | None = None,
     *,
-    timeout: float = DEFAULT_TIMEOUT_S,
+    timeout: float | None = None,
     port: int | None = None,
     **kwargs: Any,
 ) -> None:
@@ -70,7 +72,8 @@ def init_dist(
     Args:
         launcher: ``"pytorch"`` (torchrun), ``"slurm"`` (srun) or ``"mpi"`` (mpirun).
         backend: ``"nccl"``, ``"gloo"``, ...; None picks nccl when CUDA is usable, else gloo.
-        timeout: Timeout of collectives in seconds.
+        timeout: Timeout of collectives in seconds; None: torch's defaults, 600 (10 min)
+            when the backend uses nccl, else `DEFAULT_TIMEOUT_S` (30 min).
         port: Rendezvous port; wins over ``MASTER_PORT`` (and over the Slurm job's port).
         **kwargs: Passed on to ``torch.distributed.init_process_group`` (e.g. ``init_method``
             or ``store``, in which case MASTER_ADDR / MASTER_PORT are not needed).
@@ -96,6 +99,8 @@ def init_dist(
             f"{torch_dist.get_backend()}). Call init_dist once per process, or destroy_dist() first."
         )
         raise AlreadyInitializedError(message)
+    if timeout is None:
+        timeout = _default_timeout(backend or default_backend())
     if timeout <= 0:
         message = f"init_dist: timeout must be a positive number of seconds, got {timeout!r}."
         raise ValueError(message)
@@ -181,6 +186,11 @@ def _loopback_store(launch: LaunchEnv, timeout: float) -> TCPStore | None:
     )
 
 
+def _default_timeout(backend: str) -> float:
+    """torch's default timeout for ``backend``: 10 minutes with nccl, else 30 minutes."""
+    return _NCCL_TIMEOUT_S if "nccl" in backend.lower() else DEFAULT_TIMEOUT_S
+
+
 def _cuda_index(local_rank: int, visible: int) -> int:
     """The CUDA device of a local rank: its own index, or 0 when each task sees one GPU."""
     if visible <= 1:
@@ -205,6 +215,7 @@ def destroy_dist() -> None:
         torch_dist.destroy_process_group()
     _LocalGroup.group = None
     _LocalGroup.owner = None
+    _LocalGroup.layout = ()
     _cpu_twins.clear()
 
 
@@ -237,7 +248,9 @@ def init_local_group(node_rank: int | None = None, num_gpus_per_node: int | None
     ``i`` are ``i * num_gpus_per_node ... (i + 1) * num_gpus_per_node - 1``.
 
     ``init_dist`` already calls this; call it yourself only after initialising the process
-    group with ``torch.distributed`` directly.
+    group with ``torch.distributed`` directly. A call that finds the node groups it would
+    create already made for this process group returns them as they are: MMEngine-style
+    code that calls it after ``init_dist`` creates no second set of groups.
 
     Args:
         node_rank: Index of this node (MMEngine compatibility); needs ``num_gpus_per_node``.
@@ -277,6 +290,10 @@ def init_local_group(node_rank: int | None = None, num_gpus_per_node: int | None
 
 def _create_local_groups(nodes: Sequence[list[int]]) -> None:
     owner = torch_dist.distributed_c10d._get_default_group()
+    # Every rank knows the whole layout, so every rank takes the same branch here.
+    layout = tuple(sorted(tuple(sorted(ranks)) for ranks in nodes))
+    if _LocalGroup.owner is owner and _LocalGroup.layout == layout:
+        return  # made already for this process group: new groups would only leak
     rank = torch_dist.get_rank()
     world = torch_dist.get_world_size()
     mine: torch_dist.ProcessGroup | None = None
@@ -289,6 +306,7 @@ def _create_local_groups(nodes: Sequence[list[int]]) -> None:
                 mine = group
     _LocalGroup.group = mine
     _LocalGroup.owner = owner
+    _LocalGroup.layout = layout
 
 
 def current_local_group() -> torch_dist.ProcessGroup | None:
