@@ -119,6 +119,8 @@ def test_cache_limit_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert buffers._pool.cached_bytes() == 3 << 20
     monkeypatch.setenv("COMM_BUFFER_CACHE_MB", "-5")
     assert buffers._limit() == 0
+    monkeypatch.setenv("COMM_BUFFER_CACHE_MB", "-inf")
+    assert buffers._limit() == 0
     buffers.empty_cache()
 
 

@@ -89,7 +89,7 @@ def test_default_timeout_is_torchs_for_the_backend() -> None:
     from comm_core.process_group import DEFAULT_TIMEOUT_S, _default_timeout
 
     assert _default_timeout("nccl") == 600.0  # a hang under nccl surfaces in 10 minutes
-    assert _default_timeout("cpu:gloo,cuda:nccl") == 600.0
+    assert _default_timeout("cpu:gloo,cuda:nccl") == 1800.0  # torch's rule: nccl alone
     assert _default_timeout("gloo") == DEFAULT_TIMEOUT_S == 1800.0
 
 

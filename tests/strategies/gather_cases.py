@@ -106,6 +106,31 @@ def fast_path_matches_torch() -> dict[str, Any]:
     return results
 
 
+def tied_across_units() -> Any:
+    """The head's weight is the first layer's, in another FSDP unit (use_orig_params)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    module[2].weight = module[0].weight
+    policy = ModuleWrapPolicy({nn.Linear})
+    return MMFullyShardedDataParallel(module, auto_wrap_policy=policy, use_orig_params=True)
+
+
+def compiled_and_tied_full_saves() -> dict[str, Any]:
+    """The layouts refused above still save under torch's names (the caller's fallback)."""
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    compiled = Model()
+    compiled.block = torch.compile(compiled.block)
+    for key, model in (
+        ("compiled", MMFullyShardedDataParallel(compiled, use_orig_params=True)),
+        ("tied", tied_across_units()),
+    ):
+        got = _gather.full_state_to_rank0(model, "fsdp1")
+        want = _oracle(model)
+        out[key] = sorted(want) if got is None else _compare(got, want) if got else "empty"
+    return out
+
+
 def refused_layouts() -> dict[str, Any]:
     """Layouts left to torch: None on every rank, and no rank left waiting."""
     out: dict[str, Any] = {}
@@ -118,5 +143,12 @@ def refused_layouts() -> dict[str, Any]:
     model = fsdp1("FULL_SHARD", wrap=False, orig=False)
     model.module.head._register_state_dict_hook(lambda *args: None)
     out["a state-dict hook"] = _gather._fsdp1_state(model)
+    torch.manual_seed(0)
+    compiled = Model()
+    compiled.block = torch.compile(compiled.block)  # not run: no compiler needed
+    out["a compiled submodule"] = _gather._fsdp1_state(
+        MMFullyShardedDataParallel(compiled, use_orig_params=True)
+    )
+    out["a weight tied across units"] = _gather._fsdp1_state(tied_across_units())
     out["after refusals, a layout it reads"] = _gather._fsdp1_state(fsdp1("NO_SHARD", True, True))
     return {k: v if v is None else "a state" for k, v in out.items()}

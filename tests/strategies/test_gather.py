@@ -33,5 +33,14 @@ def test_fsdp1_layouts_it_does_not_read_return_none(comm_pools: Any) -> None:
             "summoned": None,
             "buffers in low precision": None,
             "a state-dict hook": None,
+            "a compiled submodule": None,
+            "a weight tied across units": None,
             "after refusals, a layout it reads": "a state",
         }
+
+
+def test_fsdp1_refused_layouts_still_save_under_torchs_names(comm_pools: Any) -> None:
+    # The fallback (rows of the sharded state dict) gives torch's names and values: no
+    # "_orig_mod." in a compiled submodule's names, the tied weight under both names.
+    results = comm_pools.get(2).run(cases.compiled_and_tied_full_saves, timeout=120)
+    assert results[0] == {"compiled": [], "tied": []}

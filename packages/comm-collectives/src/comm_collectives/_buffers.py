@@ -53,7 +53,7 @@ def _limit() -> int:
             )
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         value = _DEFAULT_MB
-    return max(0, int(min(value, 2.0**40) * 2**20))
+    return int(min(max(value, 0.0), 2.0**40) * 2**20)  # -inf: none; inf: no limit in practice
 
 
 class _Pool:

@@ -73,7 +73,7 @@ def init_dist(
         launcher: ``"pytorch"`` (torchrun), ``"slurm"`` (srun) or ``"mpi"`` (mpirun).
         backend: ``"nccl"``, ``"gloo"``, ...; None picks nccl when CUDA is usable, else gloo.
         timeout: Timeout of collectives in seconds; None: torch's defaults, 600 (10 min)
-            when the backend uses nccl, else `DEFAULT_TIMEOUT_S` (30 min).
+            for nccl, else `DEFAULT_TIMEOUT_S` (30 min).
         port: Rendezvous port; wins over ``MASTER_PORT`` (and over the Slurm job's port).
         **kwargs: Passed on to ``torch.distributed.init_process_group`` (e.g. ``init_method``
             or ``store``, in which case MASTER_ADDR / MASTER_PORT are not needed).
@@ -187,8 +187,9 @@ def _loopback_store(launch: LaunchEnv, timeout: float) -> TCPStore | None:
 
 
 def _default_timeout(backend: str) -> float:
-    """torch's default timeout for ``backend``: 10 minutes with nccl, else 30 minutes."""
-    return _NCCL_TIMEOUT_S if "nccl" in backend.lower() else DEFAULT_TIMEOUT_S
+    """torch's default timeout for ``backend``: 10 minutes for nccl, else 30 minutes (also for
+    combined backends such as ``"cpu:gloo,cuda:nccl"``, as torch)."""
+    return _NCCL_TIMEOUT_S if backend.lower() == "nccl" else DEFAULT_TIMEOUT_S
 
 
 def _cuda_index(local_rank: int, visible: int) -> int:

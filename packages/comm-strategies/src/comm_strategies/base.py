@@ -48,7 +48,8 @@ class Strategy:
         launcher: ``"pytorch"``, ``"slurm"``, ``"mpi"`` or ``"none"``; None infers it from
             the environment (comm_core's ``infer_launcher``).
         backend: Process group backend; None picks nccl with CUDA, else gloo.
-        timeout: Timeout of collectives, in seconds.
+        timeout: Timeout of collectives, in seconds; None: torch's default for the backend
+            (10 minutes for nccl, else 30).
         seed: The seed of every random generator; None draws one (the same on every rank).
         diff_rank_seed: Seed each rank with ``seed + rank`` (e.g. for data augmentation).
         deterministic: Use deterministic algorithms (``torch.use_deterministic_algorithms``).
@@ -70,7 +71,7 @@ class Strategy:
         work_dir: str | os.PathLike[str] | None = None,
         launcher: str | None = None,
         backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float | None = None,
         seed: int | None = None,
         diff_rank_seed: bool = False,
         deterministic: bool = False,
@@ -151,7 +152,7 @@ class Strategy:
             store=torch_dist.HashStore(),  # type: ignore[attr-defined]
             rank=0,
             world_size=1,
-            timeout=timedelta(seconds=self.timeout),
+            timeout=None if self.timeout is None else timedelta(seconds=self.timeout),
         )
         dist.init_local_group()
 

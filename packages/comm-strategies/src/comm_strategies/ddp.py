@@ -73,11 +73,11 @@ def _rank_device() -> Any:
     """This rank's device: the CPU, or the accelerator of its local rank."""
     import torch
 
-    if dist.is_distributed():
-        # The process group's device: the local rank's GPU under nccl, the CPU under gloo
-        # (also on a machine with a GPU, when the backend is set to gloo).
-        return dist.get_comm_device()
-    device = dist.get_device()
+    # The process group's kind of device: the local rank's GPU under nccl, the CPU under
+    # gloo (also on a machine with a GPU, when the backend is set to gloo). The index comes
+    # from the local rank, not the current device: a group made by torch directly may not
+    # have selected one.
+    device = dist.get_comm_device().type if dist.is_distributed() else dist.get_device()
     if device == "cpu":
         return torch.device("cpu")
     return torch.device(

@@ -34,15 +34,18 @@ __all__ = ["MMFullyShardedDataParallel", "default_device_id"]
 _MIXED_PRECISION_FIELDS = tuple(field.name for field in dataclasses.fields(MixedPrecision))
 
 
-def default_device_id() -> torch.device:
-    """The device FSDP should use: the one the default process group communicates on.
+def default_device_id(group: Any = None) -> torch.device:
+    """The device FSDP should use: the one its process group communicates on.
 
     The current accelerator under nccl, the CPU under gloo (also on a machine with a GPU:
     gloo has no reduce-scatter for CUDA tensors), or the machine's best device when no
-    process group exists.
+    process group exists. ``group`` is FSDP's ``process_group`` (a group, or the pair of
+    groups of hybrid sharding); None: the default group.
     """
     if is_distributed():
-        return get_comm_device()
+        if isinstance(group, (tuple, list)):
+            group = group[0]
+        return get_comm_device(group if isinstance(group, ProcessGroup) else None)
     device_type = get_device()
     if device_type == "cpu":
         return torch.device("cpu")
@@ -108,7 +111,10 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         **kwargs: Any,
     ) -> None:
         require_process_group(type(self).__name__)
-        kwargs.setdefault("device_id", default_device_id())
+        if "device_id" not in kwargs:  # the device of the group FSDP will communicate on
+            mesh = kwargs.get("device_mesh")
+            group = process_group if mesh is None else mesh.get_group(0)
+            kwargs["device_id"] = default_device_id(group)
         offload = _coerce_cpu_offload(cpu_offload)
         if offload is not None and torch.device(kwargs["device_id"]).type == "cpu":
             # The parameters live on the CPU already, and torch's offload path pins memory,

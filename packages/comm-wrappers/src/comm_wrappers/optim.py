@@ -412,7 +412,8 @@ class AmpOptimWrapper(OptimWrapper):
         loss_scale: ``"dynamic"``, a float (a static scale), or a dict of ``GradScaler``
             keywords. Used for float16 only.
         dtype: The autocast dtype (a torch dtype or a name such as ``"bfloat16"``);
-            default float16 on CUDA, bfloat16 elsewhere.
+            default float16 where the model computes on CUDA (under nccl, or with CUDA and
+            no process group), bfloat16 elsewhere (also under gloo on a machine with a GPU).
         use_fsdp: Use FSDP's ``ShardedGradScaler`` from the start. Under an FSDP1 model it
             is chosen anyway at the first ``optim_context`` (a plain scaler would let the
             ranks disagree on skipping a step).
@@ -437,7 +438,12 @@ class AmpOptimWrapper(OptimWrapper):
         **kwargs: Any,
     ) -> None:
         super().__init__(optimizer, **kwargs)
-        default = "float16" if torch.cuda.is_available() else "bfloat16"
+        from .fsdp import default_device_id
+
+        # float16 where the model will compute on CUDA (under nccl, or CUDA without a
+        # process group); bfloat16 on the CPU, also under gloo on a machine with a GPU.
+        self._device_type = default_device_id().type
+        default = "float16" if self._device_type == "cuda" else "bfloat16"
         self.cast_dtype = to_dtype(default if dtype is None else dtype, "dtype")
         self._static_scale: float | None = None
         self.loss_scaler: Any = None
@@ -462,7 +468,7 @@ class AmpOptimWrapper(OptimWrapper):
             self.loss_scaler = self._new_scaler(sharded=use_fsdp)
 
     def _new_scaler(self, sharded: bool) -> Any:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if self._device_type == "cuda" else "cpu"
         if sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

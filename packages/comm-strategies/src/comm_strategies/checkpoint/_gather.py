@@ -215,6 +215,7 @@ def _fsdp1_entries(root: Any) -> list[_Entry] | None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._common_utils import clean_tensor_name
+    from torch.distributed.fsdp._flat_param import FlatParameter
 
     wrappers = (FullyShardedDataParallel, ActivationWrapper)  # their hooks only drop prefixes
 
@@ -240,8 +241,16 @@ def _fsdp1_entries(root: Any) -> list[_Entry] | None:
         count += len(pieces)
     entries: list[_Entry] = []
     for prefix, module in root.named_modules(remove_duplicate=False):
-        if any(p is not None and id(p) not in managed for p in module._parameters.values()):
-            return None  # a parameter FSDP does not manage
+        if "_orig_mod" in module._modules:
+            return None  # torch.compile's wrapper: torch's names drop "_orig_mod."
+        own = {name for name, _ in owned.get(id(module), [])}
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in managed:
+                return None  # a parameter FSDP does not manage
+            if name not in own and not isinstance(param, FlatParameter):
+                return None  # tied to another unit's parameter: torch names it here too
         if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
             return None
         hooked = module._state_dict_hooks or module._state_dict_pre_hooks
