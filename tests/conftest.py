@@ -6,7 +6,10 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as torch_dist
+
+from comm_core.testing import WorldPool
 
 _WATCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -29,3 +32,14 @@ def _no_leaked_dist_state() -> Iterator[None]:
             os.environ[name] = value
     assert not leaked, f"the test changed launcher variables: {leaked}"
     assert not open_group, "the test left a process group open in the pytest process"
+
+
+# nccl takes one rank per GPU: a one-GPU machine runs the worlds of one.
+CUDA_WORLDS = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+
+
+@pytest.fixture(scope="module", params=CUDA_WORLDS, ids=lambda w: f"world{w}")
+def nccl_world(request: pytest.FixtureRequest) -> Iterator[WorldPool]:
+    """A world of nccl ranks, one per GPU, for the CUDA tests (they skip without CUDA)."""
+    with WorldPool(request.param, backend="nccl", timeout=300.0) as pool:
+        yield pool

@@ -6,7 +6,6 @@ machine runs the world of one, where the checks still run through the side group
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,14 +14,6 @@ import torch
 from comm_core.testing import WorldPool
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-WORLDS = [1, 2] if torch.cuda.device_count() >= 2 else [1]
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def nccl_world(request: pytest.FixtureRequest) -> Iterator[WorldPool]:
-    with WorldPool(request.param, backend="nccl", timeout=120.0) as pool:
-        yield pool
 
 
 def no_host_sync() -> dict[str, Any]:

@@ -6,7 +6,6 @@ the CPU and moved by the wrappers. Parameters are compared with the one-process 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,7 @@ from .test_strategies import MATRIX
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-WORLDS = [1, 2] if torch.cuda.device_count() >= 2 else [1]
 EXACT = 1e-5  # float32 on the GPU against the oracle's float32 on the CPU
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def nccl_world(request: pytest.FixtureRequest) -> Iterator[WorldPool]:
-    with WorldPool(request.param, backend="nccl", timeout=300.0) as pool:
-        yield pool
 
 
 def test_every_strategy_on_the_gpu_equals_the_oracle(nccl_world: WorldPool) -> None:

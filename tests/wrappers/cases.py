@@ -84,19 +84,27 @@ def oracle(
     clip: float | None = None,
     optimizer: str = "sgd",
     dtype: torch.dtype | None = None,
+    device: str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """One process, plain torch: each update sees every rank's micro-batches."""
-    model = make_net()
+    """One process, plain torch: each update sees every rank's micro-batches.
+
+    On ``device``, with autocast to ``dtype`` and, for float16, a dynamic ``GradScaler``
+    (clipping after unscaling), as a hand-written mixed-precision loop does.
+    """
+    model = make_net().to(device)
     optim = make_optimizer(model.parameters(), optimizer)
+    scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
     for step in range(steps):
         for micro in range(accum):
-            inputs, targets = global_batch(step, micro, world)
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            inputs, targets = (t.to(device) for t in global_batch(step, micro, world))
+            with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
                 loss = model(inputs, targets, mode="loss")["loss"]
-            (loss / accum).backward()
+            scaler.scale(loss / accum).backward()
         if clip is not None:
+            scaler.unscale_(optim)
             nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optim.step()
+        scaler.step(optim)
+        scaler.update()
         optim.zero_grad()
     return params_of(model)
 

@@ -22,35 +22,7 @@ from comm_wrappers import (
     unwrap_model,
 )
 
-from .cases import global_batch, make_net, make_optimizer, max_diff, params_of, train
-
-
-def cuda_oracle(
-    steps: int,
-    accum: int,
-    world: int,
-    *,
-    clip: float | None = None,
-    optimizer: str = "sgd",
-    amp: torch.dtype | None = None,
-) -> dict[str, torch.Tensor]:
-    """Plain torch on the GPU: autocast, a GradScaler for float16, clipping after unscale."""
-    model = make_net().cuda()
-    optim = make_optimizer(model.parameters(), optimizer)
-    scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
-    for step in range(steps):
-        for micro in range(accum):
-            inputs, targets = (t.cuda() for t in global_batch(step, micro, world))
-            with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
-                loss = model(inputs, targets, mode="loss")["loss"]
-            scaler.scale(loss / accum).backward()
-        if clip is not None:
-            scaler.unscale_(optim)
-            nn.utils.clip_grad_norm_(model.parameters(), clip)
-        scaler.step(optim)
-        scaler.update()
-        optim.zero_grad()
-    return params_of(model)
+from .cases import make_net, max_diff, oracle, params_of, train
 
 
 def cuda_wrap(kind: str, **options: Any) -> nn.Module:
@@ -80,8 +52,14 @@ def cuda_equivalence(
     wrapper = train(
         model, steps, accum, clip=clip, optimizer=optimizer, amp=dtype, use_fsdp=kind != "ddp"
     )
-    expected = cuda_oracle(
-        steps, accum, dist.get_world_size(), clip=clip, optimizer=optimizer, amp=dtype
+    expected = oracle(
+        steps,
+        accum,
+        dist.get_world_size(),
+        clip=clip,
+        optimizer=optimizer,
+        dtype=dtype,
+        device="cuda",
     )
     scaler = getattr(wrapper, "loss_scaler", None)
     compute = unwrap_model(model)

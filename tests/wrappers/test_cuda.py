@@ -7,7 +7,6 @@ scales and steps on the GPU through nccl.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,15 +19,8 @@ from . import cuda_cases
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-WORLDS = [1, 2] if torch.cuda.device_count() >= 2 else [1]
 EXACT = 1e-5  # float32 on the GPU: the same kernels, another reduction order at world 2
 AMP = 2e-3  # autocast: the same half-precision ops in another order
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def nccl_world(request: pytest.FixtureRequest) -> Iterator[WorldPool]:
-    with WorldPool(request.param, backend="nccl", timeout=180.0) as pool:
-        yield pool
 
 
 def test_fp16_autocast_and_grad_scaler_on_cuda() -> None:

@@ -8,8 +8,7 @@ import torch
 
 import comm_collectives as dist
 from comm_wrappers.deepspeed import initialize
-from tests.wrappers.cases import batch, make_net, make_optimizer, max_diff
-from tests.wrappers.cuda_cases import cuda_oracle
+from tests.wrappers.cases import batch, make_net, make_optimizer, max_diff, oracle
 
 from .cases import ds_config, full_params
 
@@ -26,13 +25,14 @@ def cuda_equivalence(
     for step in range(3):
         for micro in range(accum):
             wrapper.train_step(batch(step, micro, rank), optim)  # batches moved to the GPU
-    expected = cuda_oracle(
+    expected = oracle(
         3,
         accum,
         dist.get_world_size(),
         clip=clip,
         optimizer="adamw",
-        amp=torch.bfloat16 if bf16 else None,
+        dtype=torch.bfloat16 if bf16 else None,
+        device="cuda",
     )
     return {
         "oracle": max_diff(full_params(wrapper), expected),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -12,14 +10,6 @@ from comm_core.testing import WorldPool
 from . import cuda_cases
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-WORLDS = [1, 2] if torch.cuda.device_count() >= 2 else [1]
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def nccl_world(request: pytest.FixtureRequest) -> Iterator[WorldPool]:
-    with WorldPool(request.param, backend="nccl", timeout=300.0) as pool:
-        yield pool
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
