@@ -175,3 +175,23 @@ def test_deepspeed_files_need_the_opt_in(comm_pools: Any, saved: str) -> None:
     for message in comm_pools.get(2).run(cases.deepspeed_without_opt_in, saved, timeout=120):
         assert "allow_unsafe_pickle=True" in message
         assert "zero2" in message
+
+
+def test_a_replaced_checkpoint_is_deleted_in_the_background(tmp_path: Path) -> None:
+    import torch
+
+    from comm_strategies.checkpoint import _save, load_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    save_checkpoint(tmp_path / "ckpt", model=model, strategy="single", extra={"step": 1})
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    # A replaced copy that a killed process did not finish deleting: the next save of
+    # that name removes it.
+    (tmp_path / ".ckpt.old-killed").mkdir()
+    save_checkpoint(tmp_path / "ckpt", model=model, strategy="single", extra={"step": 2})
+    fresh = torch.nn.Linear(3, 2)
+    assert load_checkpoint(tmp_path / "ckpt", model=fresh) == {"step": 2}
+    assert bool((fresh.weight == 7.0).all())
+    _save._wait_for_deletions()  # what the interpreter does at exit
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -316,15 +318,47 @@ def _list_files(folder: Path) -> dict[str, int]:
 
 
 def _publish(temporary: Path, final: Path) -> None:
-    """Rename the finished folder to its name; a folder already there is replaced."""
+    """Rename the finished folder to its name; a folder already there is replaced.
+
+    The replaced folder is hidden by a rename, then deleted in the background: deleting a
+    large checkpoint (freeing its pages, or many round trips on a network filesystem) is
+    not part of writing the new one, which is complete and visible once renamed.
+    """
     if final.exists():
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
         os.replace(final, old)
         os.replace(temporary, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(final.parent)
+        _delete_later(old)
     else:
         os.replace(temporary, final)
-    _fsync_dir(final.parent)
+        _fsync_dir(final.parent)
+
+
+_deleting: dict[Path, threading.Thread] = {}
+
+
+def _delete_later(folder: Path) -> None:
+    """Delete ``folder`` in a background thread; the interpreter waits for it at exit."""
+    for done in [path for path, thread in _deleting.items() if not thread.is_alive()]:
+        del _deleting[done]
+    thread = threading.Thread(
+        target=shutil.rmtree,
+        args=(folder,),
+        kwargs={"ignore_errors": True},
+        name="comm-checkpoint-delete",
+        daemon=True,
+    )
+    thread.start()
+    _deleting[folder] = thread
+
+
+@atexit.register
+def _wait_for_deletions() -> None:
+    """Let the background deletions finish at exit (a killed process leaves a hidden
+    ``.NAME.old-*`` folder, which the next save under that name removes)."""
+    for thread in list(_deleting.values()):
+        thread.join()
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -343,6 +377,10 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _remove_stale(final: Path) -> None:
-    """Remove the temporary folders that earlier, killed saves of ``final`` left behind."""
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Remove the temporary folders that earlier, killed saves of ``final`` left behind,
+    and replaced copies whose background deletion a killed process did not finish."""
+    for pattern in (f".{final.name}.tmp-*", f".{final.name}.old-*"):
+        for stale in final.parent.glob(pattern):
+            thread = _deleting.get(stale)
+            if thread is None or not thread.is_alive():  # not being deleted already
+                shutil.rmtree(stale, ignore_errors=True)
