@@ -132,18 +132,17 @@ def case_fsdp2(width: int, depth: int, folder: Path) -> dict[str, Op]:
     one_step(model, optimizer, width)
     raw_dir, ours = folder / "raw", folder / "comm"
 
-    def raw_save() -> None:
-        state = {
+    def sharded() -> dict[str, Any]:
+        return {
             "model": dsd.get_model_state_dict(inner),
             "optim": dsd.get_optimizer_state_dict(inner, optimizer),
         }
-        dcp_save(state, checkpoint_id=str(raw_dir))
+
+    def raw_save() -> None:
+        dcp_save(sharded(), checkpoint_id=str(raw_dir))
 
     def raw_load() -> None:
-        state = {
-            "model": dsd.get_model_state_dict(inner),
-            "optim": dsd.get_optimizer_state_dict(inner, optimizer),
-        }
+        state = sharded()
         dcp_load(state, checkpoint_id=str(raw_dir))
         dsd.set_model_state_dict(inner, state["model"])
         dsd.set_optimizer_state_dict(inner, optimizer, state["optim"])

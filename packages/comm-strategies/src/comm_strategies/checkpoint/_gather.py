@@ -270,12 +270,12 @@ def _fsdp1_entries(root: Any) -> list[_Entry] | None:
 
 
 def _agreed(ok: bool) -> bool:
-    """Whether every rank can read its shards directly (one small all-reduce)."""
-    device = torch.device("cpu")
-    if "nccl" in str(torch_dist.get_backend()) and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MIN)
+    """Whether every rank can read its shards directly (one small all-reduce on the CPU
+    group, as the checkpoint's other flags: no device sync under NCCL)."""
+    from comm_collectives import get_cpu_group
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MIN, group=get_cpu_group())
     return bool(flag.item())
 
 

@@ -336,6 +336,7 @@ def _publish(temporary: Path, final: Path) -> None:
 
 
 _deleting: dict[Path, threading.Thread] = {}
+_EXIT_WAIT_S = 60.0
 
 
 def _delete_later(folder: Path) -> None:
@@ -355,10 +356,12 @@ def _delete_later(folder: Path) -> None:
 
 @atexit.register
 def _wait_for_deletions() -> None:
-    """Let the background deletions finish at exit (a killed process leaves a hidden
-    ``.NAME.old-*`` folder, which the next save under that name removes)."""
+    """Let the background deletions finish at exit, for at most a minute in all (a stuck
+    filesystem must not hold the process; what is left, like a killed process's hidden
+    ``.NAME.old-*`` folder, is removed by the next save under that name)."""
+    deadline = time.monotonic() + _EXIT_WAIT_S
     for thread in list(_deleting.values()):
-        thread.join()
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _fsync_dir(folder: Path) -> None:
