@@ -396,3 +396,23 @@ def load_converted(folder: str) -> float:
     model, _ = build("fsdp", seed=11)
     load_checkpoint(folder, model=model)
     return max_diff(full_params(model), expected_of(str(Path(folder).parent), "fsdp2"))
+
+
+class _BrokenScheduler:
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("this scheduler cannot be saved")
+
+
+def state_capture_fails_on_rank_0(root: str) -> str:
+    """A failure outside the file writes (a scheduler's state_dict, on rank 0 only) reaches
+    every rank as a CheckpointError instead of leaving the others in the outcome check."""
+    model, optim = build("ddp")
+    schedulers: list[Any] = [_BrokenScheduler()] if dist.get_rank() == 0 else []
+    try:
+        save_checkpoint(
+            f"{root}/broken", model=model, optim_wrapper=optim, schedulers=schedulers,
+            strategy="ddp",
+        )  # fmt: skip
+    except CheckpointError as error:
+        return str(error)
+    return "no error"

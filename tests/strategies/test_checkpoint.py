@@ -195,3 +195,13 @@ def test_a_replaced_checkpoint_is_deleted_in_the_background(tmp_path: Path) -> N
     assert bool((fresh.weight == 7.0).all())
     _save._wait_for_deletions()  # what the interpreter does at exit
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_failure_capturing_state_on_one_rank_is_an_error_on_every_rank(
+    comm_pools: Any, tmp_path: Path
+) -> None:
+    messages = comm_pools.get(2).run(cases.state_capture_fails_on_rank_0, str(tmp_path), timeout=60)
+    for message in messages:
+        assert "rank 0" in message, message
+        assert "this scheduler cannot be saved" in message, message
+    assert not (tmp_path / "broken").exists()

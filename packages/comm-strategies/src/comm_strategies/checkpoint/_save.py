@@ -178,17 +178,31 @@ def save_checkpoint(
         params = _save_dcp(model, kind, optimizers, temporary, writer)
     else:
         params = _save_full(model, kind, engine, optimizers, temporary, writer)
-    writer.attempt(save_tensor_file, _rng.capture(), _rng_path(temporary, me), what="RNG state")
+    # Everything that can fail on one rank runs inside writer.attempt: the failure is
+    # reported to every rank by the check below instead of leaving them waiting in it.
+    writer.attempt(
+        lambda: save_tensor_file(_rng.capture(), _rng_path(temporary, me)), what="RNG state"
+    )
     if me == 0:
         if schedulers:
-            states = [scheduler.state_dict() for scheduler in schedulers]
-            writer.attempt(save_tensor_file, states, temporary / SCHEDULERS_FILE)
-        scalers = {
-            DEFAULT_KEY if key == "" else key: scaler.state_dict()
-            for key, scaler in scalers_of(optim_wrapper).items()
-        }
-        if scalers:
-            writer.attempt(save_tensor_file, scalers, temporary / SCALER_FILE)
+            writer.attempt(
+                lambda: save_tensor_file(
+                    [scheduler.state_dict() for scheduler in schedulers],
+                    temporary / SCHEDULERS_FILE,
+                ),
+                what="the schedulers",
+            )
+        if scalers_of(optim_wrapper):
+            writer.attempt(
+                lambda: save_tensor_file(
+                    {
+                        DEFAULT_KEY if key == "" else key: scaler.state_dict()
+                        for key, scaler in scalers_of(optim_wrapper).items()
+                    },
+                    temporary / SCALER_FILE,
+                ),
+                what="the grad scaler",
+            )
         if extra:
             writer.attempt(save_tensor_file, dict(extra), temporary / EXTRA_FILE)
     _hook("written")
@@ -196,31 +210,32 @@ def save_checkpoint(
 
     error = None
     if me == 0:
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            strategy=str(strategy),
-            wrapper=kind,
-            world_size=_dist.world_size(),
-            format=fmt,
-            zero_stage=None if engine is None else int(engine.zero_optimization_stage()),
-            sharding=sharding_of(model, kind),
-            params=params,
-            has_optimizer=bool(optimizers),
-            optimizer_keys=[] if list(optimizers) in ([], [DEFAULT_KEY]) else list(optimizers),
-            num_schedulers=len(schedulers),
-            has_scaler=bool(scalers_of(optim_wrapper)),
-            rng_ranks=list(range(_dist.world_size())),
-            extra_keys=sorted(str(key) for key in (extra or {})),
-            versions=_versions(),
-            saved_at=time.time(),
-            files=_list_files(temporary),
-        )
-        try:
+        try:  # any failure here (not only the filesystem's) must reach the other ranks
+            manifest = Manifest(
+                format_version=FORMAT_VERSION,
+                strategy=str(strategy),
+                wrapper=kind,
+                world_size=_dist.world_size(),
+                format=fmt,
+                zero_stage=None if engine is None else int(engine.zero_optimization_stage()),
+                sharding=sharding_of(model, kind),
+                params=params,
+                has_optimizer=bool(optimizers),
+                optimizer_keys=[] if list(optimizers) in ([], [DEFAULT_KEY]) else list(optimizers),
+                num_schedulers=len(schedulers),
+                has_scaler=bool(scalers_of(optim_wrapper)),
+                rng_ranks=list(range(_dist.world_size())),
+                extra_keys=sorted(str(key) for key in (extra or {})),
+                versions=_versions(),
+                saved_at=time.time(),
+                files=_list_files(temporary),
+            )
             write_json(manifest.to_json(), temporary / MANIFEST_NAME)
             _hook("manifest")
             _publish(temporary, final)
-        except OSError as caught:
+        except Exception as caught:
             error = CheckpointError(f"cannot finish {final}: {caught}")
+            error.__cause__ = caught
     exchange.check_all_ok("done", error, max(wait, WRITE_TIMEOUT_S))
     return final
 
