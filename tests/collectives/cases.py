@@ -337,19 +337,41 @@ def collect_large_case() -> dict[str, Any]:
     }
 
 
-def collect_midstream_failure_case(bad_rank: int, bad: str) -> dict[str, Any]:
-    """Item 20,000 of ``bad_rank``'s streamed part cannot be pickled (``bad="pickle"``) or
-    cannot be rebuilt on rank 0 (``bad="load"``): its first chunks are already sent."""
+def collect_midstream_failure_case(bad_rank: int, bad: str, at: int = 20_000) -> dict[str, Any]:
+    """Item ``at`` of ``bad_rank``'s streamed part cannot be pickled (``bad="pickle"``) or
+    cannot be rebuilt on rank 0 (``bad="load"``). At 20,000 its first chunks are already
+    sent; at 10,000 (in the pickler's second 64 KiB frame) the part's handshake has started
+    and no chunk is sent yet. ``sent_before_failing``: the chunks a failing sender sent."""
+    from comm_collectives import results as results_module
+
     rank, world = dist.get_dist_info()
     part: list[Any] = [f"{rank}-{i}" for i in range(30_000)]
     if rank == bad_rank:
-        part[20_000] = Unpicklable() if bad == "pickle" else FailsToLoad()
-    with _shapes_seen() as shapes:
-        first = _caught(dist.collect_results, part, world * len(part))
+        part[at] = Unpicklable() if bad == "pickle" else FailsToLoad()
+    sent: list[int] = []
+    original = results_module.PartWriter
+
+    class Recording(original):  # type: ignore[misc, valid-type]
+        def fail(self) -> None:
+            sent.append(self._sent)
+            super().fail()
+
+    results_module.PartWriter = Recording  # type: ignore[misc]
+    try:
+        with _shapes_seen() as shapes:
+            first = _caught(dist.collect_results, part, world * len(part))
+    finally:
+        results_module.PartWriter = original  # type: ignore[misc]
     again = dist.collect_results([f"item {rank}"], world)  # nothing of the failed call is left
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
-    return {"first": first, "shapes": shapes, "again": again, "total": total.item()}
+    return {
+        "first": first,
+        "shapes": shapes,
+        "again": again,
+        "total": total.item(),
+        "sent_before_failing": sent,
+    }
 
 
 def mismatch_cases() -> dict[str, Any]:

@@ -307,6 +307,25 @@ def test_collect_results_pickling_fails_in_the_middle_of_a_part(
         assert r["total"] == float(sum(range(world)))
     assert results[0]["again"] == [f"item {i}" for i in range(world)]
     assert [r["again"] for r in results[1:]] == [None] * (world - 1)
+    assert results[failing]["sent_before_failing"][0] > 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_collect_results_pickling_fails_while_the_part_is_announced(
+    comm_run_distributed: Any, world: int
+) -> None:
+    # the sender starts its part's handshake after the pickler's first 64 KiB frame and
+    # pickles on meanwhile; item 10,000 (at ~89 KB) fails before the handshake's outcome is known
+    failing = world - 1
+    results = comm_run_distributed(
+        cases.collect_midstream_failure_case, failing, "pickle", 10_000, world_size=world
+    )
+    _raised_on_every_rank(results, failing, "this object refuses to be pickled")
+    assert results[0]["shapes"] == [-1] * (world - 1)
+    assert results[failing]["sent_before_failing"] == [0]  # no chunk had gone yet
+    for r in results:
+        assert r["total"] == float(sum(range(world)))
+    assert results[0]["again"] == [f"item {i}" for i in range(world)]
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -71,6 +71,7 @@ __all__ = [
     "Header",
     "Inline",
     "Peer",
+    "PendingHandshake",
     "agree",
     "all_gather_flat",
     "checks_enabled",
@@ -86,6 +87,7 @@ __all__ = [
     "local_fault",
     "raise_everywhere",
     "signature_of",
+    "start_handshake",
     "transport",
     "unchecked",
 ]
@@ -576,6 +578,24 @@ def handshake(
         RemoteRankError: A rank's local work failed (raised on every rank).
         CollectiveMismatchError: The ranks disagree (raised on every rank).
     """
+    return start_handshake(header, group, payload=payload, varying=varying).result(
+        same=same, hint=hint
+    )
+
+
+def start_handshake(
+    header: Header,
+    group: torch_dist.ProcessGroup | None,
+    *,
+    payload: Inline | None = None,
+    varying: bool = True,
+) -> PendingHandshake:
+    """Send this rank's frame of a handshake and return at once (see ``handshake``).
+
+    The caller may do local work while the frames travel, then calls
+    ``PendingHandshake.result``, which waits and makes the checks. Every rank must call
+    ``result`` of every handshake it starts, in the same order as the other ranks.
+    """
     state = _state(group)
     capacity = state.capacity
     world = get_world_size(group)
@@ -586,7 +606,7 @@ def handshake(
     if world > COMPACT_ABOVE:  # every call starts with the vote: the same collective
         agreed = _compact_vote(header, group, device)
         if agreed is not None and not varying:
-            return agreed
+            return PendingHandshake(header, group, state, agreed=agreed)
     row = _HEADER_BYTES + capacity
     frame = torch.empty(row, dtype=torch.uint8, device=device)
     used = 0
@@ -603,7 +623,60 @@ def handshake(
     frame[:_HEADER_BYTES].copy_(words.view(torch.uint8))
     table = torch.empty(world * row, dtype=torch.uint8, device=device)
     with transport(header.operation, group):
-        all_gather_flat(table, frame, group=group)
+        work = all_gather_flat(table, frame, group=group, async_op=True)
+    return PendingHandshake(header, group, state, table=table, work=work)
+
+
+class PendingHandshake:
+    """A handshake whose frame is sent; ``result`` waits for the others' frames."""
+
+    def __init__(
+        self,
+        header: Header,
+        route: torch_dist.ProcessGroup | None,
+        state: _InlineState,
+        *,
+        agreed: list[Peer] | None = None,
+        table: torch.Tensor | None = None,
+        work: torch_dist.Work | None = None,
+    ) -> None:
+        self._header = header
+        self._route = route  # the group the frames travel on
+        self._state = state  # of the collective's group, read when the frame was built
+        self._capacity = state.capacity
+        self._agreed = agreed
+        self._table = table
+        self._work = work
+
+    def result(self, *, same: Sequence[str] = (), hint: str = "") -> list[Peer]:
+        """Every rank's header; raises the same error on every rank when one is wrong.
+
+        Args:
+            same: As for ``handshake``.
+            hint: As for ``handshake``.
+        """
+        if self._agreed is not None:
+            return self._agreed
+        header, route = self._header, self._route
+        if self._work is not None:
+            with transport(header.operation, route):
+                self._work.wait()
+        assert self._table is not None
+        return _read_table(header, route, self._state, self._capacity, self._table, same, hint)
+
+
+def _read_table(
+    header: Header,
+    group: torch_dist.ProcessGroup | None,
+    state: _InlineState,
+    capacity: int,
+    table: torch.Tensor,
+    same: Sequence[str],
+    hint: str,
+) -> list[Peer]:
+    """Decode the gathered frames and raise on a version, operation or field mismatch."""
+    world = get_world_size(group)
+    row = _HEADER_BYTES + capacity
     rows = table.view(world, row)
     headers = rows[:, :_HEADER_BYTES].cpu().contiguous().view(torch.int64).tolist()
     peers = []

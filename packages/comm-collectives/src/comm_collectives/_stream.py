@@ -71,23 +71,29 @@ class PeerFailedError(Exception):
 class PartWriter:
     """The file a sending rank's pickler writes into.
 
+    A streamed part's handshake starts when the pickler's first frame is there, and the
+    pickler makes its second frame while the handshake's frames travel; the writer then
+    waits for the handshake's outcome and sends at once what it has (not waiting for a
+    full chunk), so rank 0, idle until then, starts unpickling early.
+
     Args:
-        announce: Makes the call's handshake with the bytes to send inline and the part's
-            shape (``count``, see the module docstring); it raises on every rank when the
-            ranks disagree or a rank failed.
+        announce: Starts the call's handshake with the bytes to send inline and the part's
+            shape (``count``, see the module docstring); the returned callable waits for
+            it and raises on every rank when the ranks disagree or a rank failed.
         head_size: Bytes that may travel inline in the handshake.
         dst: Global rank of the receiver.
         group: Process group of the transfer.
         device: Device the group's messages live on.
 
     Attributes:
-        stage: ``"pickling"`` (nothing announced yet), ``"announcing"`` (inside the
-            handshake), ``"streaming"`` (chunks may follow) or ``"closed"``.
+        stage: ``"pickling"`` (nothing announced yet), ``"announcing"`` (the handshake
+            started, its outcome not known), ``"streaming"`` (chunks may follow) or
+            ``"closed"``.
     """
 
     def __init__(
         self,
-        announce: Callable[[bytearray, int], None],
+        announce: Callable[[bytearray, int], Callable[[], None]],
         head_size: int,
         dst: int,
         group: torch_dist.ProcessGroup | None,
@@ -100,6 +106,8 @@ class PartWriter:
         self._device = device
         self._pending = bytearray()
         self._chunk = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)  # no stale memory is sent
+        self._announced: Callable[[], None] | None = None
+        self._sent = 0
         self.stage = "pickling"
 
     def write(self, data: Any) -> int:
@@ -108,11 +116,27 @@ class PartWriter:
         if self.stage == "pickling" and len(self._pending) >= _STREAM_AT:
             head = self._pending[: self._head_size]
             del self._pending[: len(head)]
-            self._announce(head, STREAMED)
+            self._start(head, STREAMED)
+        elif self.stage == "announcing":
+            self.confirm()
         if self.stage == "streaming":
             while len(self._pending) >= _PAYLOAD:
                 self._send(DATA, _PAYLOAD)
+            if not self._sent and self._pending:  # the first chunk goes at once
+                self._send(DATA, len(self._pending))
         return memoryview(data).nbytes
+
+    def confirm(self) -> None:
+        """Wait for the started handshake's outcome (stage ``"announcing"``).
+
+        Raises on every rank what the handshake raises; the stage then stays
+        ``"announcing"`` and nothing more may be sent.
+        """
+        announced, self._announced = self._announced, None
+        if announced is None:
+            return
+        announced()
+        self.stage = "streaming"
 
     def finish(self, buffers: list[memoryview]) -> None:
         """Send the rest once the pickler is done; ``buffers`` are its out-of-band buffers."""
@@ -124,6 +148,7 @@ class PartWriter:
             self._announce(bytearray(), frame.numel())
             torch_dist.send(frame.to(self._device), self._dst, group=self._group)
             return
+        self.confirm()
         while len(self._pending) > _PAYLOAD:
             self._send(DATA, _PAYLOAD)
         extra = _frame([memoryview(b""), *buffers]) if buffers else None
@@ -140,10 +165,14 @@ class PartWriter:
         self._send(FAILED, 0)
         self._fill()
 
-    def _announce(self, head: bytearray, count: int) -> None:
+    def _start(self, head: bytearray, count: int) -> None:
         self.stage = "announcing"
-        self._announce_to(head, count)
-        self.stage = "streaming" if count == STREAMED else "closed"
+        self._announced = self._announce_to(head, count)
+
+    def _announce(self, head: bytearray, count: int) -> None:
+        self._start(head, count)
+        self.confirm()
+        self.stage = "closed"
 
     def _send(self, kind: int, nbytes: int, extra: int = 0) -> None:
         out = self._chunk.numpy()
@@ -152,6 +181,7 @@ class PartWriter:
             out[_HEAD : _HEAD + nbytes] = np.frombuffer(self._pending, dtype=np.uint8, count=nbytes)
             del self._pending[:nbytes]
         torch_dist.send(self._chunk.to(self._device), self._dst, group=self._group)
+        self._sent += 1
 
     def _fill(self) -> None:
         self._chunk.numpy()[:24].view(np.int64)[:] = (FILLER, 0, 0)

@@ -21,6 +21,7 @@ import itertools
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -37,6 +38,7 @@ from ._protocol import (
     inline_capacity,
     raise_everywhere,
     signature_of,
+    start_handshake,
     transport,
 )
 from ._serialization import decode, dump, encode
@@ -230,10 +232,15 @@ def _head_of(peer: Peer) -> bytes:
 def _send_part(
     results: list[Any], group: torch_dist.ProcessGroup | None, device: torch.device, mode: int
 ) -> None:
-    def announce(head: bytearray, count: int) -> None:
+    def announce(head: bytearray, count: int) -> Callable[[], None]:
         inline = Inline.of_tensor(torch.from_numpy(np.frombuffer(head, dtype=np.uint8)))
         header = Header("collect_results", count=count, signature=mode)
-        handshake(header, group, same=_SAME, hint=_HINT, payload=inline)
+        pending = start_handshake(header, group, payload=inline)
+
+        def outcome() -> None:
+            pending.result(same=_SAME, hint=_HINT)
+
+        return outcome
 
     writer = PartWriter(announce, inline_capacity(group), global_rank(group, 0), group, device)
     error: BaseException | None = None
@@ -242,6 +249,9 @@ def _send_part(
     except Exception as exc:
         if writer.stage == "pickling":  # nothing sent yet: the handshake reports it
             handshake(Header("collect_results", error=exc, signature=mode), group)
+        if writer.stage == "announcing":  # the pickler failed while the handshake ran
+            with transport("collect_results", group):
+                writer.confirm()  # when it fails, that is the error every rank raises
         if writer.stage != "streaming":  # the handshake or the transport failed
             with transport("collect_results", group):  # a lost rank 0: named
                 raise
