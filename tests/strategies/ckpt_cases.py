@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +294,24 @@ def rank0_alone(root: str) -> str:
     except CheckpointError as error:
         return str(error)
     return "no error"
+
+
+def outcome_wait_is_bounded() -> tuple[str, float]:
+    """Rank 0 waits for the ranks' outcome flag, which rank 1 sends only 4 s later: rank 0
+    raises after its 1 s bound; rank 1's late flag then completes rank 0's pending one."""
+    from comm_strategies.checkpoint._dist import Exchange
+
+    exchange = Exchange("save_checkpoint")
+    if dist.get_rank() != 0:
+        time.sleep(4.0)
+        exchange.check_all_ok("done", None, timeout=30.0)
+        return "", 0.0
+    start = time.monotonic()
+    try:
+        exchange.check_all_ok("done", None, timeout=1.0)
+    except CheckpointError as error:
+        return str(error), time.monotonic() - start
+    return "no error", time.monotonic() - start
 
 
 def rank0_alone_leaves_nothing(root: str) -> list[str]:

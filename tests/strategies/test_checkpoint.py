@@ -149,6 +149,13 @@ def test_save_on_rank_0_alone_is_an_error_not_a_hang(comm_pools: Any, tmp_path: 
     pool.restart()
 
 
+def test_the_wait_for_the_ranks_outcome_is_bounded(comm_pools: Any) -> None:
+    pool = comm_pools.get(2)
+    (message, took), _ = pool.run(cases.outcome_wait_is_bounded, timeout=60)
+    assert "rank 0 waited 1 s at step 'done' for the other ranks' outcome" in message
+    assert took < 3.0
+
+
 def test_clear_errors_on_every_rank(comm_pools: Any, tmp_path: Path) -> None:
     results = comm_pools.get(2).run(cases.errors_on_every_rank, str(tmp_path), timeout=120)
     for result in results:
@@ -195,6 +202,37 @@ def test_a_replaced_checkpoint_is_deleted_in_the_background(tmp_path: Path) -> N
     assert bool((fresh.weight == 7.0).all())
     _save._wait_for_deletions()  # what the interpreter does at exit
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_file_at_the_path_is_an_error_and_stays(tmp_path: Path) -> None:
+    import torch
+
+    from comm_strategies.checkpoint import CheckpointError, save_checkpoint
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"found a file at .*notes\.txt, not a checkpoint"):
+        save_checkpoint(tmp_path / "notes.txt", model=torch.nn.Linear(3, 2), strategy="single")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_link_at_the_path_is_replaced_and_its_target_kept(tmp_path: Path) -> None:
+    import torch
+
+    from comm_strategies.checkpoint import _save, load_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    target = save_checkpoint(tmp_path / "epoch_1", model=model, strategy="single")
+    (tmp_path / "latest").symlink_to(target)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for name, step in (("latest", 2), ("dangling", 3)):
+        save_checkpoint(tmp_path / name, model=model, strategy="single", extra={"step": step})
+        assert not (tmp_path / name).is_symlink()
+        assert load_checkpoint(tmp_path / name, model=torch.nn.Linear(3, 2)) == {"step": step}
+    _save._wait_for_deletions()
+    # the links themselves were removed, not what "latest" pointed to
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "epoch_1", "latest"]
+    assert (target / "manifest.json").is_file()
 
 
 def test_a_failure_capturing_state_on_one_rank_is_an_error_on_every_rank(

@@ -120,6 +120,8 @@ class Exchange:
         all-reduce of a flag on the CPU group (gloo; gloo's twin under NCCL: no device
         sync) says whether any rank failed, and only then do the messages travel, by an
         object all-gather (a few milliseconds on gloo, paid on the failure path only).
+        The flag is waited for at most ``timeout`` seconds: a rank that died after the
+        handshake makes the others raise then, not after the process group's timeout.
         """
         outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
         if self.store is None:
@@ -129,7 +131,17 @@ class Exchange:
 
             group = get_cpu_group()
             flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-            torch_dist.all_reduce(flag, group=group)
+            work = torch_dist.all_reduce(flag, group=group, async_op=True)
+            try:
+                if work is not None:
+                    work.wait(timeout=timedelta(seconds=timeout))
+            except RuntimeError as exc:
+                message = (
+                    f"{self.operation}: rank {rank()} waited {timeout:g} s at step {name!r} "
+                    f"for the other ranks' outcome ({exc}); a rank died or is stuck: check "
+                    "the logs of the other ranks."
+                )
+                raise CheckpointError(message) from (error or exc)
             if not int(flag.item()):
                 return
             gathered: list[Any] = [None] * world_size()

@@ -140,7 +140,13 @@ def save_checkpoint(
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale(final)
-            temporary.mkdir(mode=0o700)
+            if final.exists() and not final.is_dir():  # never replace a user's file
+                status = (
+                    f"found a file at {final}, not a checkpoint folder; pass another path or "
+                    "remove the file"
+                )
+            else:
+                temporary.mkdir(mode=0o700)
         except OSError as caught:
             status = f"cannot create {temporary}: {caught}"
     try:
@@ -339,7 +345,7 @@ def _publish(temporary: Path, final: Path) -> None:
     large checkpoint (freeing its pages, or many round trips on a network filesystem) is
     not part of writing the new one, which is complete and visible once renamed.
     """
-    if final.exists():
+    if final.exists() or final.is_symlink():  # a dangling link is replaced too
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
         os.replace(final, old)
         os.replace(temporary, final)
@@ -359,9 +365,8 @@ def _delete_later(folder: Path) -> None:
     for done in [path for path, thread in _deleting.items() if not thread.is_alive()]:
         del _deleting[done]
     thread = threading.Thread(
-        target=shutil.rmtree,
+        target=_remove_entry,
         args=(folder,),
-        kwargs={"ignore_errors": True},
         name="comm-checkpoint-delete",
         daemon=True,
     )
@@ -401,4 +406,16 @@ def _remove_stale(final: Path) -> None:
         for stale in final.parent.glob(pattern):
             thread = _deleting.get(stale)
             if thread is None or not thread.is_alive():  # not being deleted already
-                shutil.rmtree(stale, ignore_errors=True)
+                _remove_entry(stale)
+
+
+def _remove_entry(path: Path) -> None:
+    """Remove a replaced checkpoint: a folder with what it holds, a symbolic link itself
+    (never what it points to); errors are ignored, a later save of the name tries again."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
