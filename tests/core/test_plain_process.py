@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -102,6 +103,28 @@ def test_cast_data_device_keeps_container_types() -> None:
     assert moved["od"]["a"].device == torch.device("meta")
     # the input is untouched
     assert data["pair"].left.device == torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    inputs: torch.Tensor
+    labels: list[torch.Tensor]
+    name: str = "batch"
+    size: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", int(self.inputs.shape[0]))
+
+
+def test_cast_data_device_moves_a_dataclass_batch() -> None:
+    batch = Batch(torch.ones(3, 2), [torch.zeros(1)])
+    moved = cast_data_device({"batch": batch}, "meta")["batch"]
+    assert type(moved) is Batch
+    assert moved.inputs.device == torch.device("meta")
+    assert moved.labels[0].device == torch.device("meta")
+    assert (moved.name, moved.size) == ("batch", 3)
+    assert batch.inputs.device == torch.device("cpu")  # the input is untouched
+    assert cast_data_device(Batch, "meta") is Batch  # a class is not an instance
 
 
 def test_cast_data_device_into_out() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -136,8 +137,9 @@ def _find_device(data: Any, path: str) -> tuple[torch.device, str] | None:
 def cast_data_device(data: T, device: torch.device | str, out: Any = None) -> T:
     """Move a tensor, or every tensor inside a nested structure, to ``device``.
 
-    Container types are kept (named tuples included); values that are not tensors are
-    returned unchanged. With ``out``, the moved tensors are also copied into the matching
+    Container types are kept (named tuples included); a dataclass instance comes back as a
+    copy with its tensors moved (through ``dataclasses.replace``, as torch's DDP moves
+    a dataclass batch); values that are not tensors are returned unchanged. With ``out``, the moved tensors are also copied into the matching
     tensors of ``out`` (which must have the same structure), as MMEngine does.
 
     Args:
@@ -171,6 +173,12 @@ def _cast(data: Any, device: torch.device) -> Any:
         return type(data)({k: _cast(v, device) for k, v in data.items()})  # type: ignore[call-arg]
     if isinstance(data, tuple) and hasattr(data, "_fields"):
         return type(data)(*(_cast(v, device) for v in data))
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        # fields outside __init__ are left to __post_init__, which replace() runs again
+        moved = {
+            f.name: _cast(getattr(data, f.name), device) for f in dataclasses.fields(data) if f.init
+        }
+        return dataclasses.replace(data, **moved)
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         return type(data)(_cast(v, device) for v in data)  # type: ignore[call-arg]
     return data
