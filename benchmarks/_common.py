@@ -37,3 +37,25 @@ def write_results(out: Path, result: Any, table: str, svg: str | None = None) ->
     if svg is not None:
         (out / "chart.svg").write_text(svg)
     print(table)
+
+
+def median_interval(
+    values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A bootstrap confidence interval of the median of ``values`` (percentile method).
+
+    The values are resampled with replacement ``resamples`` times; the interval holds the
+    central ``level`` of the resampled medians. The seed is fixed, so the same samples
+    always give the same interval.
+    """
+    import numpy as np
+
+    data = np.asarray(values, dtype=np.float64)
+    if data.size == 0:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, data.size, size=(resamples, data.size))
+    medians = np.median(data[picks], axis=1)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return (float(low), float(high))

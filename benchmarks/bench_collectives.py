@@ -36,7 +36,7 @@ from comm_core.testing import launch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _chart import ratio_chart
-from _common import write_results
+from _common import median_interval, write_results
 
 gather_flat = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
 
@@ -259,13 +259,26 @@ def run_rank(
                 elapsed = (time.perf_counter() - start) / batch
                 if step >= warmup:
                     samples[impl].append(elapsed)
-        medians = {}
+        medians, slowest = {}, {}
         for impl, times in samples.items():
             local = torch.tensor(times, dtype=torch.float64)
             torch_dist.all_reduce(local, torch_dist.ReduceOp.MAX)
-            medians[impl] = statistics.median(local.tolist())
+            slowest[impl] = local.tolist()
+            medians[impl] = statistics.median(slowest[impl])
+        paired = {}
+        for impl in slowest:
+            if impl != "comm":  # comm's sample over impl's of the same repeat
+                ratios = [a / b for a, b in zip(slowest["comm"], slowest[impl])]
+                paired[impl] = [statistics.median(ratios), *median_interval(ratios)]
         table.append(
-            {"case": name, "bytes_per_rank": nbytes, "calls_per_sample": batch, "seconds": medians}
+            {
+                "case": name,
+                "bytes_per_rank": nbytes,
+                "calls_per_sample": batch,
+                "seconds": medians,
+                "paired": paired,
+                "samples": slowest,
+            }
         )
     return {"sizes": sizes, "cases": table, "cores_of_rank_0": cores}
 
@@ -330,6 +343,15 @@ def _markdown(result: dict[str, Any]) -> str:
         ratios = _ratios(case)
         cells = [f"{ratios[n]:.2f}x" if n in ratios else "-" for n in names]
         lines.append(f"| {case['case']} | " + " | ".join(cells) + " |")
+
+    lines += [
+        "",
+        "| case | comm / mmengine, paired by repeat (95% CI) |",
+        "|---|---:|",
+    ]
+    for case in result["cases"]:
+        mid, low, high = case["paired"]["mmengine"]
+        lines.append(f"| {case['case']} | {mid:.3f}x ({low:.3f}-{high:.3f}) |")
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{1000 * value:.2f} ms"
@@ -410,6 +432,11 @@ def main() -> int:
                     for impl, t in times.items()
                 )
                 print(f"{row['case']}: {ratios}")
+                paired = ", ".join(
+                    f"comm / {impl} {mid:.3f}x (95% CI {low:.3f}-{high:.3f})"
+                    for impl, (mid, low, high) in row["paired"].items()
+                )
+                print(f"    paired by repeat: {paired}")
             return 0
         result["memory"] = {
             label: launch(

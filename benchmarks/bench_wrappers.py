@@ -20,7 +20,10 @@ clocks: wall time (each sample the slowest rank's) and the CPU time of each rank
 process, all threads (averaged over the ranks: the work a step costs, without waiting or
 preemption). After a warm-up, the tables give each time's median over the repeats, and
 each ratio's median over the repeats of the ratio of the two samples taken in the same
-repeat (steadier than a ratio of medians on a shared machine).
+repeat (steadier than a ratio of medians on a shared machine), with a 95% confidence
+interval (a bootstrap of that median). ``--runs N`` times N worlds one after the other, each
+a fresh pair of processes, and pools their samples: a bias that lasts a whole run (where a
+process's memory happens to put each model) then varies from run to run.
 
 Memory is measured in a second world of its own: each rank's resident set (RSS, Linux
 /proc/self/status) after garbage collection and ``malloc_trim``, with glibc's mmap
@@ -29,7 +32,8 @@ larger rank's. *held*: the growth from before the model is built to after its fi
 (weights, gradients, optimizer state, engine buffers). *peak*: the highest RSS during
 later steps over the same starting point (median of 3 rounds).
 
-    python benchmarks/bench_wrappers.py [--smoke] [--repeats N] [--out DIR] [--no-bind]
+    python benchmarks/bench_wrappers.py [--smoke] [--repeats N] [--runs N] [--out DIR]
+        [--no-bind]
 
 The DeepSpeed rows need DeepSpeed (``hatch run deepspeed:python
 benchmarks/bench_wrappers.py``), the MMEngine rows mmengine: without them those rows are
@@ -55,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from _chart import ratio_chart
-from _common import rank_env, write_results
+from _common import median_interval, rank_env, write_results
 from bench_collectives import _rss_kib, _trim, bind_to_cores
 from torch import nn
 
@@ -423,12 +427,26 @@ def time_case(
 
 
 def summary(samples: dict[str, list[float]]) -> dict[str, Any]:
-    """Median seconds per step of every implementation, and the two ratios of the table."""
-    return {
-        "seconds_per_step": {name: statistics.median(t) for name, t in samples.items()},
-        "comm_over_raw": paired_ratio(samples, "comm", "raw"),
-        "comm_over_mmengine": paired_ratio(samples, "comm, BaseModel", "mmengine"),
+    """Median seconds per step of every implementation, the two ratios of the table, and
+    each ratio's 95% confidence interval (bootstrap of the median of the paired ratios)."""
+    out: dict[str, Any] = {
+        "seconds_per_step": {name: statistics.median(t) for name, t in samples.items()}
     }
+    for key, num, den in (
+        ("comm_over_raw", "comm", "raw"),
+        ("comm_over_mmengine", "comm, BaseModel", "mmengine"),
+    ):
+        out[key] = paired_ratio(samples, num, den)
+        pairs = paired_ratios(samples, num, den)
+        out[f"{key}_interval"] = median_interval(pairs) if pairs else None
+    return out
+
+
+def paired_ratios(samples: dict[str, list[float]], num: str, den: str) -> list[float]:
+    """``num``'s time over ``den``'s, repeat by repeat (empty when one is missing)."""
+    if num not in samples or den not in samples:
+        return []
+    return [a / b for a, b in zip(samples[num], samples[den])]
 
 
 def paired_ratio(samples: dict[str, list[float]], num: str, den: str) -> float | None:
@@ -505,13 +523,56 @@ def memory_rank(settings: dict[str, int], skipped: dict[str, str], bind: bool) -
     return figures
 
 
+def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several timing worlds: each case's samples joined, run after run.
+
+    Each world is a fresh pair of processes, so whatever one process's memory layout does
+    to one implementation's speed (a lasting bias within a run) varies between runs; the
+    pooled medians and intervals average over it. Each run's own ratios stay in
+    ``per_run``.
+    """
+    result = {key: value for key, value in runs[0].items() if key != "cases"}
+    cases = []
+    for index, case in enumerate(runs[0]["cases"]):
+        pooled: dict[str, dict[str, list[float]]] = {}
+        for clock in case["samples"]:
+            pooled[clock] = {
+                name: [t for run in runs for t in run["cases"][index]["samples"][clock][name]]
+                for name in case["samples"][clock]
+            }
+        cases.append(
+            {
+                "model": case["model"],
+                "engine": case["engine"],
+                **{clock: summary(times) for clock, times in pooled.items()},
+                "per_run": [
+                    {
+                        clock: {
+                            key: run["cases"][index][clock][key]
+                            for key in ("comm_over_raw", "comm_over_mmengine")
+                        }
+                        for clock in pooled
+                    }
+                    for run in runs
+                ],
+                "samples": pooled,
+            }
+        )
+    result["cases"] = cases
+    return result
+
+
 # ---------------------------------------------------------------- report
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{1000 * value:.2f}"
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}x"
+def _ratio(value: float | None, interval: Any = None) -> str:
+    if value is None:
+        return "-"
+    if interval is None:
+        return f"{value:.3f}x"
+    return f"{value:.3f}x ({interval[0]:.3f}-{interval[1]:.3f})"
 
 
 def _mib(figures: dict[str, int] | None) -> str:
@@ -534,10 +595,9 @@ def markdown(result: dict[str, Any]) -> str:
     for case in cases:
         wall, cpu = case["wall"], case["cpu"]
         cells = [
-            _ratio(wall["comm_over_raw"]),
-            _ratio(cpu["comm_over_raw"]),
-            _ratio(wall["comm_over_mmengine"]),
-            _ratio(cpu["comm_over_mmengine"]),
+            _ratio(clock[key], clock.get(f"{key}_interval"))
+            for key in ("comm_over_raw", "comm_over_mmengine")
+            for clock in (wall, cpu)
         ]
         lines.append(f"| {_label(case)} | {' | '.join(cells)} |")
     for clock, title in (("wall", "ms per step"), ("cpu", "CPU ms per step")):
@@ -565,7 +625,11 @@ def markdown(result: dict[str, Any]) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in result["versions"].items())
     lines += [
         "",
-        f"Timed: {settings['repeats']} repeats x {settings['steps_per_sample']} steps "
+        "Ratios: the median of the paired ratios, with its 95% confidence interval "
+        "(bootstrap) in brackets.",
+        "",
+        f"Timed: {settings['runs']} run(s), each a world of its own, x "
+        f"{settings['repeats']} repeats x {settings['steps_per_sample']} steps "
         f"(warm-up repeats: {settings['warmup']}); ranks bound to cores: "
         f"{result['bound_to_cores']}; "
         f"load average before / after: {load['before']} / {load['after']}; {versions}.",
@@ -616,12 +680,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="2 steps a sample, 2 repeats (CI)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="timing worlds started one after the other; their samples are pooled",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "wrappers"))
     parser.add_argument(
         "--no-bind", action="store_true", help="let the ranks' threads run on any core"
     )
     args = parser.parse_args()
     settings = {
+        "runs": max(1, args.runs),
         "repeats": args.repeats or (2 if args.smoke else 50),
         "warmup": 1 if args.smoke else 3,
         "steps_per_sample": 2 if args.smoke else 5,
@@ -646,7 +717,11 @@ def main() -> int:
 
     bind = not args.no_bind
     started = time.perf_counter()
-    result = launch(time_rank, settings, skipped, bind, nprocs=2, timeout=1800, env=env)[0]
+    runs = [
+        launch(time_rank, settings, skipped, bind, nprocs=2, timeout=1800, env=env)[0]
+        for _ in range(settings["runs"])
+    ]
+    result = pool_runs(runs)
     seconds = {"timing": round(time.perf_counter() - started, 1)}
     memory = memory_supported()
     if memory:
