@@ -314,6 +314,13 @@ def outcome_wait_is_bounded() -> tuple[str, float]:
     return "no error", time.monotonic() - start
 
 
+def save_and_load_after(root: str) -> Any:
+    """A collective save and load after a failed call: every rank's numbering agrees."""
+    model, _ = build("ddp")
+    save_checkpoint(f"{root}/after", model=model, strategy="ddp", extra={"step": 5}, timeout=20)
+    return load_checkpoint(f"{root}/after", model=build("ddp")[0], timeout=20)
+
+
 def rank0_alone_leaves_nothing(root: str) -> list[str]:
     dist.barrier()
     return sorted(os.listdir(root))

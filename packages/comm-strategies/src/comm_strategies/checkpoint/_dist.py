@@ -59,12 +59,16 @@ def handshake_timeout(timeout: float | None) -> float:
     return DEFAULT_TIMEOUT_S
 
 
+_FIRST = "enter"  # the first exchange of every call
+
+
 class Exchange:
     """Small string exchanges between the ranks of one collective checkpoint call."""
 
     def __init__(self, operation: str) -> None:
         global _calls
         _calls += 1
+        self.number = _calls
         self.operation = operation
         self.prefix = f"comm_checkpoint/{_calls}"
         self.store: Any = None
@@ -89,6 +93,8 @@ class Exchange:
                 self.store.wait(keys, timedelta(seconds=timeout))
         except Exception as error:  # the store raises a plain RuntimeError/DistStoreError
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            if name == _FIRST:
+                self._withdraw(keys[me])
             message = (
                 f"{self.operation} on {where()}: rank(s) {missing} did not reach {name!r} "
                 f"within {timeout:g} s. Every rank must call {self.operation} (it is "
@@ -97,6 +103,23 @@ class Exchange:
             )
             raise CheckpointError(message) from error
         return [bytes(self.store.get(key)).decode() for key in keys]
+
+    def _withdraw(self, key: str) -> None:
+        """Undo this call's entry after the others did not come (a call on rank 0 alone).
+
+        The key is deleted and the call's number given back, so this rank's next call
+        carries the number the other ranks' next call has: a save made under
+        ``if rank == 0`` fails once, and the collective saves after it work. (A rank that
+        reaches ``enter`` in the instant the timed-out rank withdraws may still see its
+        key; the next step then times out on it, as before.)
+        """
+        global _calls
+        try:
+            self.store.delete_key(key)
+        except Exception:  # a store without deletion: the late rank then times out later
+            return
+        if _calls == self.number:
+            _calls -= 1
 
     def _arrived_soon(self, keys: list[str]) -> bool:
         """Whether every key is posted within a few milliseconds, checked every 0.2 ms.
