@@ -216,6 +216,29 @@ def test_a_file_at_the_path_is_an_error_and_stays(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+def test_a_bar_in_the_path_neither_fails_the_save_nor_deletes_another_folder(
+    tmp_path: Path,
+) -> None:
+    # the entry exchange once joined its fields with "|": a path holding one was misread,
+    # and rank 0 removed the folder named by the path's part before the bar
+    import torch
+
+    from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "keep.txt").write_text("mine")
+    folder = save_checkpoint(
+        tmp_path / "runs|lr=0.1" / "epoch_1",
+        model=torch.nn.Linear(3, 2),
+        strategy="single",
+        extra={"epoch": 1},
+    )
+    assert folder == tmp_path / "runs|lr=0.1" / "epoch_1"
+    assert load_checkpoint(folder, model=torch.nn.Linear(3, 2)) == {"epoch": 1}
+    assert (tmp_path / "runs" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in (tmp_path / "runs|lr=0.1").iterdir()) == ["epoch_1"]
+
+
 def test_a_link_at_the_path_is_replaced_and_its_target_kept(tmp_path: Path) -> None:
     import torch
 

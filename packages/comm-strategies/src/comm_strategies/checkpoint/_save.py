@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import threading
@@ -150,14 +151,16 @@ def save_checkpoint(
         except OSError as caught:
             status = f"cannot create {temporary}: {caught}"
     try:
-        entries = exchange.all_gather("enter", f"{temporary}|{status}|{final}", wait)
+        # JSON: a path may hold any character but NUL, a separator among them
+        entry = json.dumps([str(temporary), status, str(final)])
+        entries = [json.loads(text) for text in exchange.all_gather("enter", entry, wait)]
     except CheckpointError:
         if me == 0:
             shutil.rmtree(temporary, ignore_errors=True)
         raise
-    temporary = Path(entries[0].split("|", 2)[0])
-    paths = {entry.split("|", 2)[2] for entry in entries}
-    failed = entries[0].split("|", 2)[1]
+    temporary = Path(entries[0][0])
+    paths = {str(fields[2]) for fields in entries}
+    failed = str(entries[0][1])
     if len(paths) > 1 or failed != "ok":
         if me == 0:
             shutil.rmtree(temporary, ignore_errors=True)

@@ -1,0 +1,134 @@
+"""collect_results' streamed parts, whose handshake travels while the sender pickles, under
+every header route (plain, the compact exchange of worlds over 64 ranks, the CPU side
+group of the nccl layout, debug mode) and combined failures."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import comm_collectives as dist
+from comm_collectives import _protocol as protocol
+from comm_core import CollectiveMismatchError, RemoteRankError, process_group
+
+from .cases import Unpicklable
+
+ITEMS = 30_000  # about 260 KB pickled: streamed
+
+
+@contextlib.contextmanager
+def _route(mode: str) -> Iterator[None]:
+    saved = protocol.COMPACT_ABOVE, protocol.side_channel, process_group._CPU_BACKENDS
+    previous = os.environ.get("COMM_DEBUG")
+    if mode == "compact":
+        protocol.COMPACT_ABOVE = 1
+    elif mode == "side":
+        protocol.side_channel, process_group._CPU_BACKENDS = True, ()
+    elif mode == "debug":
+        os.environ["COMM_DEBUG"] = "1"
+    try:
+        yield
+    finally:
+        protocol.COMPACT_ABOVE, protocol.side_channel, process_group._CPU_BACKENDS = saved
+        if previous is None:
+            os.environ.pop("COMM_DEBUG", None)
+        else:
+            os.environ["COMM_DEBUG"] = previous
+
+
+def _outcome(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        value = fn(*args, **kwargs)
+    except RemoteRankError as exc:
+        return {"raised": "RemoteRankError", "ranks": list(exc.ranks), "text": str(exc)}
+    except CollectiveMismatchError as exc:
+        return {"raised": "CollectiveMismatchError", "ranks": None, "text": str(exc)}
+    except Exception as exc:
+        return {"raised": f"unexpected {type(exc).__name__}", "ranks": None, "text": str(exc)}
+    return {"raised": "", "ranks": None, "value": value}
+
+
+def _follow_up(rank: int, world: int) -> bool:
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    again = dist.collect_results([f"again {rank}"], world)
+    want = [f"again {r}" for r in range(world)] if rank == 0 else None
+    return float(t) == world * (world + 1) / 2 and again == want
+
+
+def _capacities() -> list[int]:
+    group = dist.get_cpu_group()
+    state = protocol._state(group)
+    default = protocol._state(None)
+    return [state.capacity, state.quiet, default.capacity, default.quiet]
+
+
+def streamed_matrix(mode: str) -> dict[str, Any]:
+    """Each scenario of a world of 3 (ranks 1 and 2 send streamed parts): what every rank
+    raised, whether the next calls worked, and the inline states after it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    with _route(mode):
+        # 1. no failure: rank 0 gets the parts interleaved
+        part = [f"{rank}-{i}" for i in range(ITEMS)]
+        got = _outcome(dist.collect_results, part, world * ITEMS)
+        if rank == 0 and not got["raised"]:
+            want = [f"{i % world}-{i // world}" for i in range(world * ITEMS)]
+            got["value"] = got["value"] == want
+        out["ok"] = got
+        out["ok_next"] = _follow_up(rank, world)
+        out["ok_states"] = _capacities()
+        # 2. rank 2's item 10,000 cannot be pickled: its handshake is under way then
+        part = [f"{rank}-{i}" for i in range(ITEMS)]
+        if rank == 2:
+            part[10_000] = Unpicklable()
+        out["announcing"] = _outcome(dist.collect_results, part, world * ITEMS)
+        out["announcing_next"] = _follow_up(rank, world)
+        # 3. rank 1 fails before its first frame (reported in the handshake); rank 2 fails
+        #    while its handshake travels: every rank raises the handshake's error
+        part = [f"{rank}-{i}" for i in range(ITEMS)]
+        if rank == 1:
+            part[10] = Unpicklable()
+        if rank == 2:
+            part[10_000] = Unpicklable()
+        out["both"] = _outcome(dist.collect_results, part, world * ITEMS)
+        out["both_next"] = _follow_up(rank, world)
+        # 4. rank 2 passes a tmpdir, the others do not: rank 1 learns of the mismatch
+        #    from inside its pickler's write
+        part = [f"{rank}-{i}" for i in range(ITEMS)]
+        tmpdir = "/tmp/comm-streamed-mismatch" if rank == 2 else None
+        out["mismatch"] = _outcome(dist.collect_results, part, world * ITEMS, tmpdir=tmpdir)
+        out["mismatch_next"] = _follow_up(rank, world)
+        out["end_states"] = _capacities()
+    return out
+
+
+def killed_while_announcing(victim: int, folder: str) -> str:
+    """``victim`` dies pickling item 10,000 of its part, while its handshake travels; the
+    survivors record what they raised (the world ends with the dead rank)."""
+    import json
+    import signal
+    import time
+
+    protocol._LIVENESS_WAIT_S = 1.0
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class KillOnPickle:
+        def __reduce__(self) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return (int, ())
+
+    part: list[Any] = [f"{rank}-{i}" for i in range(ITEMS)]
+    if rank == victim:
+        part[10_000] = KillOnPickle()
+    start = time.monotonic()
+    record = _outcome(dist.collect_results, part, world * ITEMS)
+    record.pop("value", None)
+    record["seconds"] = round(time.monotonic() - start, 3)
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+        json.dump(record, handle)
+    return "survived"
