@@ -40,22 +40,32 @@ def write_results(out: Path, result: Any, table: str, svg: str | None = None) ->
 
 
 def median_interval(
-    values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0
+    values: list[float],
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+    groups: int = 1,
 ) -> tuple[float, float]:
     """A bootstrap confidence interval of the median of ``values`` (percentile method).
 
-    The values are resampled with replacement ``resamples`` times; the interval holds the
-    central ``level`` of the resampled medians. The seed is fixed, so the same samples
-    always give the same interval.
+    With ``groups`` > 1, ``values`` are that many equal runs one after the other, and the
+    bootstrap is two-stage: runs are drawn with replacement, then values within each drawn
+    run. A bias that lasts a whole run then widens the interval as it should (drawing the
+    values alone would treat them as independent and give an interval far too narrow).
+    The seed is fixed, so the same samples always give the same interval.
     """
     import numpy as np
 
     data = np.asarray(values, dtype=np.float64)
     if data.size == 0:
         return (float("nan"), float("nan"))
+    runs = data.reshape(groups, -1) if groups > 1 and data.size % groups == 0 else data[None]
+    count, size = runs.shape
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, data.size, size=(resamples, data.size))
-    medians = np.median(data[picks], axis=1)
+    picked_runs = rng.integers(0, count, size=(resamples, count))
+    picked_values = rng.integers(0, size, size=(resamples, count, size))
+    drawn = runs[picked_runs[:, :, None], picked_values].reshape(resamples, -1)
+    medians = np.median(drawn, axis=1)
     tail = (1.0 - level) / 2 * 100
     low, high = np.percentile(medians, [tail, 100 - tail])
     return (float(low), float(high))

@@ -426,9 +426,10 @@ def time_case(
     return {"wall": wall, "cpu": cpu}
 
 
-def summary(samples: dict[str, list[float]]) -> dict[str, Any]:
+def summary(samples: dict[str, list[float]], runs: int = 1) -> dict[str, Any]:
     """Median seconds per step of every implementation, the two ratios of the table, and
-    each ratio's 95% confidence interval (bootstrap of the median of the paired ratios)."""
+    each ratio's 95% confidence interval (bootstrap of the median of the paired ratios;
+    two-stage, runs then repeats, when ``samples`` holds ``runs`` equal runs)."""
     out: dict[str, Any] = {
         "seconds_per_step": {name: statistics.median(t) for name, t in samples.items()}
     }
@@ -438,7 +439,7 @@ def summary(samples: dict[str, list[float]]) -> dict[str, Any]:
     ):
         out[key] = paired_ratio(samples, num, den)
         pairs = paired_ratios(samples, num, den)
-        out[f"{key}_interval"] = median_interval(pairs) if pairs else None
+        out[f"{key}_interval"] = median_interval(pairs, groups=runs) if pairs else None
     return out
 
 
@@ -544,7 +545,7 @@ def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
             {
                 "model": case["model"],
                 "engine": case["engine"],
-                **{clock: summary(times) for clock, times in pooled.items()},
+                **{clock: summary(times, len(runs)) for clock, times in pooled.items()},
                 "per_run": [
                     {
                         clock: {
@@ -600,6 +601,19 @@ def markdown(result: dict[str, Any]) -> str:
             for clock in (wall, cpu)
         ]
         lines.append(f"| {_label(case)} | {' | '.join(cells)} |")
+    if len(cases[0].get("per_run", [])) > 1:
+        lines += [
+            "",
+            "| each run's own ratio, lowest-highest | comm / raw | comm / mmengine |",
+            "|---|---:|---:|",
+        ]
+        for case in cases:
+            cells = []
+            for key in ("comm_over_raw", "comm_over_mmengine"):
+                values = [run["wall"][key] for run in case["per_run"]]
+                known = [v for v in values if v is not None]
+                cells.append(f"{min(known):.3f}-{max(known):.3f}" if known else "-")
+            lines.append(f"| {_label(case)} | {' | '.join(cells)} |")
     for clock, title in (("wall", "ms per step"), ("cpu", "CPU ms per step")):
         lines += [
             "",
@@ -625,8 +639,9 @@ def markdown(result: dict[str, Any]) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in result["versions"].items())
     lines += [
         "",
-        "Ratios: the median of the paired ratios, with its 95% confidence interval "
-        "(bootstrap) in brackets.",
+        "Ratios: the median of the paired ratios, with its 95% confidence interval in "
+        "brackets (a bootstrap of that median: with several runs two-stage, runs drawn "
+        "first, then repeats within them).",
         "",
         f"Timed: {settings['runs']} run(s), each a world of its own, x "
         f"{settings['repeats']} repeats x {settings['steps_per_sample']} steps "

@@ -239,6 +239,24 @@ def test_a_bar_in_the_path_neither_fails_the_save_nor_deletes_another_folder(
     assert sorted(p.name for p in (tmp_path / "runs|lr=0.1").iterdir()) == ["epoch_1"]
 
 
+def test_a_folder_that_is_not_a_checkpoint_is_an_error_and_stays(tmp_path: Path) -> None:
+    import torch
+
+    from comm_strategies.checkpoint import CheckpointError, save_checkpoint
+
+    work_dir = tmp_path / "work_dir"
+    (work_dir / "logs").mkdir(parents=True)
+    (work_dir / "logs" / "train.log").write_text("epoch 1")
+    with pytest.raises(CheckpointError, match=r"found a folder at .*work_dir that is not a"):
+        save_checkpoint(work_dir, model=torch.nn.Linear(3, 2), strategy="single")
+    assert (work_dir / "logs" / "train.log").read_text() == "epoch 1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work_dir"]
+    # an empty folder is taken
+    (tmp_path / "empty").mkdir()
+    save_checkpoint(tmp_path / "empty", model=torch.nn.Linear(3, 2), strategy="single")
+    assert (tmp_path / "empty" / "manifest.json").is_file()
+
+
 def test_a_link_at_the_path_is_replaced_and_its_target_kept(tmp_path: Path) -> None:
     import torch
 

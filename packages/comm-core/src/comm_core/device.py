@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -137,10 +138,12 @@ def _find_device(data: Any, path: str) -> tuple[torch.device, str] | None:
 def cast_data_device(data: T, device: torch.device | str, out: Any = None) -> T:
     """Move a tensor, or every tensor inside a nested structure, to ``device``.
 
-    Container types are kept (named tuples included); a dataclass instance comes back as a
-    copy with its tensors moved (through ``dataclasses.replace``, as torch's DDP moves
-    a dataclass batch); values that are not tensors are returned unchanged. With ``out``, the moved tensors are also copied into the matching
-    tensors of ``out`` (which must have the same structure), as MMEngine does.
+    Container types are kept (named tuples included). A dataclass instance comes back as a
+    shallow copy whose fields hold the moved values; its ``__init__`` and
+    ``__post_init__`` do not run again, so what they derived stays as it was. Values that
+    are not tensors are returned unchanged. With ``out``, the moved tensors are also copied
+    into the matching tensors of ``out`` (which must have the same structure), as MMEngine
+    does.
 
     Args:
         data: A tensor, or a mapping / sequence holding tensors.
@@ -174,11 +177,13 @@ def _cast(data: Any, device: torch.device) -> Any:
     if isinstance(data, tuple) and hasattr(data, "_fields"):
         return type(data)(*(_cast(v, device) for v in data))
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        # fields outside __init__ are left to __post_init__, which replace() runs again
-        moved = {
-            f.name: _cast(getattr(data, f.name), device) for f in dataclasses.fields(data) if f.init
-        }
-        return dataclasses.replace(data, **moved)
+        # a copy with its fields set directly (frozen ones too): no __init__ or
+        # __post_init__ runs again, and fields outside __init__ move like the others
+        moved = copy.copy(data)
+        for field in dataclasses.fields(data):
+            if hasattr(data, field.name):  # a field without a default may be unset
+                object.__setattr__(moved, field.name, _cast(getattr(data, field.name), device))
+        return moved
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         return type(data)(_cast(v, device) for v in data)  # type: ignore[call-arg]
     return data

@@ -93,6 +93,8 @@ class Exchange:
                 self.store.wait(keys, timedelta(seconds=timeout))
         except Exception as error:  # the store raises a plain RuntimeError/DistStoreError
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            if not missing:  # the last rank posted just after the deadline: it is here
+                return [bytes(self.store.get(key)).decode() for key in keys]
             if name == _FIRST:
                 self._withdraw(keys[me])
             message = (
@@ -154,13 +156,15 @@ class Exchange:
 
             group = get_cpu_group()
             flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+            started = time.monotonic()
             work = torch_dist.all_reduce(flag, group=group, async_op=True)
             try:
                 if work is not None:
                     work.wait(timeout=timedelta(seconds=timeout))
-            except RuntimeError as exc:
+            except RuntimeError as exc:  # this bound, or the process group's own timeout
+                waited = time.monotonic() - started
                 message = (
-                    f"{self.operation}: rank {rank()} waited {timeout:g} s at step {name!r} "
+                    f"{self.operation}: rank {rank()} waited {waited:.0f} s at step {name!r} "
                     f"for the other ranks' outcome ({exc}); a rank died or is stuck: check "
                     "the logs of the other ranks."
                 )

@@ -141,12 +141,8 @@ def save_checkpoint(
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale(final)
-            if final.exists() and not final.is_dir():  # never replace a user's file
-                status = (
-                    f"found a file at {final}, not a checkpoint folder; pass another path or "
-                    "remove the file"
-                )
-            else:
+            status = _replaceable(final)
+            if status == "ok":
                 temporary.mkdir(mode=0o700)
         except OSError as caught:
             status = f"cannot create {temporary}: {caught}"
@@ -339,6 +335,26 @@ def _list_files(folder: Path) -> dict[str, int]:
         for path in sorted(folder.rglob("*"))
         if path.is_file()
     }
+
+
+def _replaceable(final: Path) -> str:
+    """ "ok" when a save may put a checkpoint at ``final``, else what is in the way.
+
+    Only a checkpoint (a folder with a manifest), an empty folder or a symbolic link is
+    replaced: a user's file, or a folder of other things (a work_dir passed by mistake),
+    would be deleted with it.
+    """
+    if final.is_symlink() or not final.exists():
+        return "ok"
+    if not final.is_dir():
+        return f"found a file at {final}, not a checkpoint folder; pass another path or remove it"
+    if (final / MANIFEST_NAME).is_file() or not any(final.iterdir()):
+        return "ok"
+    return (
+        f"found a folder at {final} that is not a checkpoint (no {MANIFEST_NAME} in it); a "
+        "save replaces the folder at its path, so pass another path (a new folder inside "
+        "it, say) or remove the folder"
+    )
 
 
 def _publish(temporary: Path, final: Path) -> None:
