@@ -92,3 +92,27 @@ def test_serialization_keeps_buffers_out_of_the_pickle_stream() -> None:
     assert torch.equal(back["tensor"], tensor)
     # zero-copy: the rebuilt array lives inside the received frame
     assert np.shares_memory(back["array"], frame)
+
+
+def test_layout_signature_follows_keys_shapes_dtypes_and_devices() -> None:
+    from comm_collectives.coalesced import _Layout, _layout_signature
+
+    def signature(data: dict[str, torch.Tensor]) -> int:
+        keys = sorted(data)
+        values = [data[k] for k in keys]
+        return _layout_signature(keys, _Layout.of(values))
+
+    base = {"a": torch.zeros(2), "b": torch.tensor(1.0)}
+    first = signature(base)
+    assert signature({"a": torch.ones(2), "b": torch.tensor(5.0)}) == first  # values do not count
+    changed = [
+        {"a": torch.zeros(3), "b": torch.tensor(1.0)},  # a shape
+        {"a": torch.zeros(2, dtype=torch.float64), "b": torch.tensor(1.0)},  # a dtype
+        {"a": torch.zeros(2), "c": torch.tensor(1.0)},  # a key
+        {"a": torch.zeros(2), "b": torch.tensor(1.0, device="meta")},  # a device type
+        {"a": torch.zeros(1, 2), "b": torch.tensor(1.0)},  # the same elements, another rank
+    ]
+    signatures = [signature(data) for data in changed]
+    assert first not in signatures
+    assert len(set(signatures)) == len(changed)
+    assert signature(base) == first  # remembered layouts give the same digest again
