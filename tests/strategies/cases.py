@@ -14,6 +14,7 @@ import torch
 
 import comm_collectives as dist
 from comm_strategies import build_strategy
+from comm_strategies.checkpoint import CheckpointError
 from comm_wrappers import OptimWrapper, unwrap_model
 from tests.wrappers.cases import batch, make_net, max_diff, oracle, params_of
 
@@ -199,12 +200,19 @@ def strategy_checkpoints(folder: str) -> dict[str, Any]:
     model, optim, _ = first.prepare(make_net(), optim_wrapper={"optimizer": dict(SGD)})
     for step in range(2):
         model.train_step(batch(step, 0, dist.get_rank()), optim)
-    saved = first.save_checkpoint("step_2", extra={"step": 2})
+    saved = first.save_checkpoint("step_2", extra={"step": 2}, timeout=60)
+    alone = ""
+    if dist.get_rank() == 0:  # the timeout reaches the checkpoint's entry exchange
+        try:
+            first.save_checkpoint("alone", timeout=0.5)
+        except CheckpointError as error:
+            alone = str(error)
+    dist.barrier()
     state = first.model_state_dict()
     optim_state = first.optim_state_dict()
     second = build_strategy("ddp", seed=1, work_dir=work)
     model2, optim2, _ = second.prepare(make_net(), optim_wrapper={"optimizer": dict(SGD)})
-    extra = second.resume()  # the latest complete checkpoint under work_dir
+    extra = second.resume(timeout=60)  # the latest complete checkpoint under work_dir
     after_resume = max_diff(full_params(model2), full_params(model))
     # One more step on both: the optimizer state (momentum) came along.
     model.train_step(batch(2, 0, dist.get_rank()), optim)
@@ -228,4 +236,5 @@ def strategy_checkpoints(folder: str) -> dict[str, Any]:
         "deepspeed_weights": weights,
         "fsdp1_state": max_diff(full_params(model4), {k: state[k] for k in full_params(model4)}),
         "state_keys": sorted(state),
+        "alone": alone,
     }

@@ -122,7 +122,11 @@ def test_registry_names_and_errors() -> None:
 
 def test_checkpoints_through_the_strategies(comm_run_distributed: Any, tmp_path: Any) -> None:
     folder = str(tmp_path)
-    for result in comm_run_distributed(cases.strategy_checkpoints, folder, timeout=240):
+    results = comm_run_distributed(cases.strategy_checkpoints, folder, timeout=240)
+    # rank 0's save alone: its timeout= reached the entry exchange
+    assert "rank(s) [1] did not reach 'enter' within 0.5 s" in results[0]["alone"]
+    assert results[1]["alone"] == ""
+    for result in results:
         assert result["path"] == f"{folder}/work/step_2"  # relative to work_dir
         assert result["extra"] == {"step": 2}
         assert result["after_resume"] == 0.0  # FSDP2's checkpoint resumed under DDP

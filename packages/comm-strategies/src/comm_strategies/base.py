@@ -314,6 +314,7 @@ class Strategy:
         save_param_scheduler: bool = True,
         extra: Mapping[str, Any] | None = None,
         sharded: bool | None = None,
+        timeout: float | None = None,
     ) -> Path:
         """Save a checkpoint directory (collective: every rank calls it).
 
@@ -323,6 +324,8 @@ class Strategy:
             save_param_scheduler: Include the schedulers.
             extra: User state (step, epoch, EMA, ...) given back by `resume`.
             sharded: None for the strategy's natural format.
+            timeout: Seconds a rank waits for the others to enter the call; None:
+                `COMM_CHECKPOINT_TIMEOUT`, or 300.
 
         Returns:
             The checkpoint directory.
@@ -338,6 +341,7 @@ class Strategy:
                 strategy=self.name,
                 extra=None if extra is None else dict(extra),
                 sharded=sharded,
+                timeout=timeout,
             )
         )
 
@@ -347,10 +351,12 @@ class Strategy:
         *,
         strict: bool = True,
         allow_unsafe_pickle: bool = False,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """Load the model's weights only, from any checkpoint of the contract or a plain .pth.
 
-        Collective. Returns the checkpoint's user state (``extra``).
+        Collective. Returns the checkpoint's user state (``extra``). ``timeout``: seconds a
+        rank waits for the others to enter the call (None: `COMM_CHECKPOINT_TIMEOUT`, or 300).
         """
         self._require_prepared("load_checkpoint")
         checkpoint = _checkpoint()
@@ -363,6 +369,7 @@ class Strategy:
                 load_schedulers=False,
                 load_rng=False,
                 allow_unsafe_pickle=allow_unsafe_pickle,
+                timeout=timeout,
             )
         )
 
@@ -374,6 +381,7 @@ class Strategy:
         resume_param_scheduler: bool = True,
         load_rng: bool = True,
         allow_unsafe_pickle: bool = False,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """Restore model, optimizer, schedulers and RNG states (collective).
 
@@ -383,6 +391,8 @@ class Strategy:
             resume_param_scheduler: Restore the schedulers.
             load_rng: Restore each rank's random generators.
             allow_unsafe_pickle: Allow formats that need full unpickling (DeepSpeed's own).
+            timeout: Seconds a rank waits for the others to enter the call; None:
+                `COMM_CHECKPOINT_TIMEOUT`, or 300.
 
         Returns:
             The checkpoint's user state (``extra``).
@@ -410,6 +420,7 @@ class Strategy:
                 load_schedulers=resume_param_scheduler,
                 load_rng=load_rng,
                 allow_unsafe_pickle=allow_unsafe_pickle,
+                timeout=timeout,
             )
         )
 
