@@ -105,30 +105,3 @@ def streamed_matrix(mode: str) -> dict[str, Any]:
         out["mismatch_next"] = _follow_up(rank, world)
         out["end_states"] = _capacities()
     return out
-
-
-def killed_while_announcing(victim: int, folder: str) -> str:
-    """``victim`` dies pickling item 10,000 of its part, while its handshake travels; the
-    survivors record what they raised (the world ends with the dead rank)."""
-    import json
-    import signal
-    import time
-
-    protocol._LIVENESS_WAIT_S = 1.0
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    class KillOnPickle:
-        def __reduce__(self) -> Any:
-            os.kill(os.getpid(), signal.SIGKILL)
-            return (int, ())
-
-    part: list[Any] = [f"{rank}-{i}" for i in range(ITEMS)]
-    if rank == victim:
-        part[10_000] = KillOnPickle()
-    start = time.monotonic()
-    record = _outcome(dist.collect_results, part, world * ITEMS)
-    record.pop("value", None)
-    record["seconds"] = round(time.monotonic() - start, 3)
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
-        json.dump(record, handle)
-    return "survived"

@@ -3,13 +3,9 @@ combined failures raise the same error on every rank, and the group stays usable
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-from comm_core.testing import RanksFailedError, WorldPool
 
 from . import streamed_cases
 
@@ -38,21 +34,3 @@ def test_streamed_parts_under_every_route(comm_run_distributed: Any, mode: str) 
     # the inline capacities stay equal on every rank
     assert results[0]["ok_states"] == results[1]["ok_states"] == results[2]["ok_states"]
     assert results[0]["end_states"] == results[1]["end_states"] == results[2]["end_states"]
-
-
-@pytest.mark.parametrize("victim", [1, 2])
-def test_a_sender_killed_while_its_handshake_travels(tmp_path: Path, victim: int) -> None:
-    records = tmp_path / "records"
-    records.mkdir()
-    with (
-        WorldPool(3, timeout=60.0, pg_timeout=60.0) as pool,
-        pytest.raises(RanksFailedError) as info,
-    ):
-        pool.run(streamed_cases.killed_while_announcing, victim, str(records), timeout=60.0)
-    states = {r.rank: r.state for r in info.value.reports}
-    assert states == {r: "died" if r == victim else "ok" for r in range(3)}, str(info.value)
-    for rank in {0, 1, 2} - {victim}:
-        record = json.loads((records / f"rank{rank}.json").read_text())
-        assert record["raised"] == "RemoteRankError", record
-        assert victim in record["ranks"], record
-        assert record["seconds"] < 10.0, record

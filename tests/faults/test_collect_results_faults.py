@@ -158,18 +158,26 @@ class KillOnLoad:
 
 
 def killed_in_collect(victim: int, where: str, folder: str, tmpdir: str | None) -> str:
-    """``victim`` dies while collect_results streams (pickling its part, after 8 MiB were
-    sent) or, on rank 0, while reading the part of rank ``victim``. The survivors record
-    what they raised (the world ends with the dead rank)."""
+    """``victim`` dies while collect_results streams (``"pickle"``: pickling its part, after
+    8 MiB were sent; ``"announce"``: pickling item 10,000 of 30,000 short strings, in its
+    second 64 KiB frame, while its part's handshake travels) or, on rank 0, while reading
+    the part of rank ``victim`` (``"load"``). The survivors record what they raised (the
+    world ends with the dead rank)."""
     protocol._LIVENESS_WAIT_S = 1.0
     rank, world = dist.get_rank(), dist.get_world_size()
-    part: list[Any] = [bytes(1 << 20) for _ in range(8)]
-    if rank == victim:
-        part.append(KillOnPickle() if where == "pickle" else KillOnLoad())
+    part: list[Any]
+    if where == "announce":
+        part = [f"{rank}-{i}" for i in range(30_000)]
+        if rank == victim:
+            part[10_000] = KillOnPickle()
+    else:
+        part = [bytes(1 << 20) for _ in range(8)]
+        if rank == victim:
+            part.append(KillOnPickle() if where == "pickle" else KillOnLoad())
     record: dict[str, Any] = {"raised": "", "ranks": None, "lost": False}
     start = time.monotonic()
     try:
-        dist.collect_results(part, world * 9, tmpdir=tmpdir)
+        dist.collect_results(part, world * len(part), tmpdir=tmpdir)
     except RemoteRankError as exc:
         lost = [f.rank for f in exc.failures if f.error_type == "comm.RankLost"]
         record.update(raised="RemoteRankError", ranks=list(exc.ranks), lost=lost)
@@ -190,8 +198,15 @@ def world_of_3() -> Iterator[WorldPool]:
 
 # (victim, where it dies, through a folder): a sender while it streams (rank 1: rank 2,
 # done with its part, waits for the verdict, which a broadcast would route through rank 1),
-# rank 0 while it reads a part (it then dies in the middle of the call on either path)
-KILLS = [(1, "pickle", False), (1, "load", False), (1, "load", True)]
+# rank 0 while it reads a part (it then dies in the middle of the call on either path), a
+# sender while its part's handshake travels (rank 1 or rank 2)
+KILLS = [
+    (1, "pickle", False),
+    (1, "load", False),
+    (1, "load", True),
+    (1, "announce", False),
+    (2, "announce", False),
+]
 
 
 @pytest.mark.parametrize(("victim", "where", "folder"), KILLS)

@@ -329,3 +329,21 @@ def test_unwrap_model_of_a_compiled_module() -> None:
     compiled = torch.compile(net)
     assert comm_wrappers.is_model_wrapper(compiled)
     assert comm_wrappers.unwrap_model(compiled) is net
+
+
+def test_to_device_moves_only_what_is_elsewhere() -> None:
+    # what MMDeepSpeedEngineWrapper.forward does with a plain loop's batch under a GPU engine
+    from comm_wrappers._model import to_device
+
+    cpu = torch.device("cpu")
+    flat = (torch.ones(2), torch.zeros(1))
+    assert to_device(flat, cpu) is flat  # already there: the same object, no copy
+    kwargs: dict[str, Any] = {}
+    assert to_device(kwargs, cpu) is kwargs
+    nested = (torch.ones(2), {"labels": [torch.zeros(1)]})  # not flat: cast_data_device
+    moved = to_device(nested, cpu)
+    assert moved is not nested
+    assert moved[1]["labels"][0].device == cpu
+    assert torch.equal(moved[0], nested[0])
+    # a model on the meta device (built before materialisation): the batch is left alone
+    assert to_device(nested, torch.device("meta")) is nested

@@ -84,13 +84,14 @@ def all_reduce_dict(
         local_fault("local", "all_reduce_dict")
     except Exception as exc:
         error = exc
-    segments = _segments(keys, values, layout) if layout is not None and error is None else []
+    ready = layout if error is None else None  # None: nothing to send, the error travels
+    segments = [] if ready is None else _segments(keys, values, ready)
     peers = handshake(
         Header(
             "all_reduce_dict",
             error=error,
             reduce_op=name or None,
-            signature=_layout_signature(keys, layout) if layout and error is None else 0,
+            signature=0 if ready is None else _layout_signature(keys, ready),
         ),
         group,
         same=("reduce_op",),

@@ -76,7 +76,11 @@ def preprocess(module: nn.Module, data: Any, training: bool) -> Any:
     preprocessor = getattr(module, "data_preprocessor", None)
     if callable(preprocessor):
         return preprocessor(data, training)
-    device = module_device(module)
+    return to_device(data, module_device(module))
+
+
+def to_device(data: Any, device: torch.device) -> Any:
+    """``data`` with its tensors on ``device`` (as it is when they are there, or on meta)."""
     if device.type == "meta" or _flat_on(data, device):
         return data
     return cast_data_device(data, device)

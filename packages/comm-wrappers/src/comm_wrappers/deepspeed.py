@@ -26,9 +26,9 @@ except ImportError as _error:  # pragma: no cover - exercised in an environment 
     )
     raise ImportError(_message) from _error
 
-from comm_collectives import cast_data_device, get_local_rank
+from comm_collectives import get_local_rank
 
-from ._model import _flat_on, check_mode_argument, model_parse_losses, preprocess, run_forward
+from ._model import check_mode_argument, model_parse_losses, preprocess, run_forward, to_device
 from ._registry import _register_imported, register_model_wrapper
 from .ddp import require_process_group
 
@@ -193,10 +193,7 @@ class MMDeepSpeedEngineWrapper(nn.Module):
         """
         device = self.model.device
         if device.type != "cpu":
-            if not _flat_on(args, device):
-                args = cast_data_device(args, device)
-            if kwargs:
-                kwargs = cast_data_device(kwargs, device)
+            args, kwargs = to_device(args, device), to_device(kwargs, device)
         if self.inputs_to_half is not None:
             args = self._cast_inputs_half(args)
             kwargs = self._cast_inputs_half(kwargs)

@@ -188,6 +188,7 @@ def save_checkpoint(
     writer.attempt(
         lambda: save_tensor_file(_rng.capture(), _rng_path(temporary, me)), what="RNG state"
     )
+    scalers = scalers_of(optim_wrapper)  # finding them reads attributes; state_dict() may fail
     if me == 0:
         if schedulers:
             writer.attempt(
@@ -197,12 +198,12 @@ def save_checkpoint(
                 ),
                 what="the schedulers",
             )
-        if scalers_of(optim_wrapper):
+        if scalers:
             writer.attempt(
                 lambda: save_tensor_file(
                     {
                         DEFAULT_KEY if key == "" else key: scaler.state_dict()
-                        for key, scaler in scalers_of(optim_wrapper).items()
+                        for key, scaler in scalers.items()
                     },
                     temporary / SCALER_FILE,
                 ),
@@ -228,7 +229,7 @@ def save_checkpoint(
                 has_optimizer=bool(optimizers),
                 optimizer_keys=[] if list(optimizers) in ([], [DEFAULT_KEY]) else list(optimizers),
                 num_schedulers=len(schedulers),
-                has_scaler=bool(scalers_of(optim_wrapper)),
+                has_scaler=bool(scalers),
                 rng_ranks=list(range(_dist.world_size())),
                 extra_keys=sorted(str(key) for key in (extra or {})),
                 versions=_versions(),
@@ -364,15 +365,14 @@ def _publish(temporary: Path, final: Path) -> None:
     large checkpoint (freeing its pages, or many round trips on a network filesystem) is
     not part of writing the new one, which is complete and visible once renamed.
     """
+    old = None
     if final.exists() or final.is_symlink():  # a dangling link is replaced too
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
         os.replace(final, old)
-        os.replace(temporary, final)
-        _fsync_dir(final.parent)
+    os.replace(temporary, final)
+    _fsync_dir(final.parent)
+    if old is not None:
         _delete_later(old)
-    else:
-        os.replace(temporary, final)
-        _fsync_dir(final.parent)
 
 
 _deleting: dict[Path, threading.Thread] = {}

@@ -3,7 +3,8 @@
 ``python -m comm_strategies.demo`` trains `DigitsNet` on the handwritten digits shipped in
 this folder (1,797 8x8 images of the UCI "Optical Recognition of Handwritten Digits" test
 set, E. Alpaydin and C. Kaynak, 1998; CC BY 4.0; see ``NOTICE``) under each strategy in
-turn on local ranks (CPU ranks, or one per GPU), and prints accuracy, time per step and checkpoint size.
+turn on local ranks (CPU ranks, or one per GPU), and prints accuracy, time per step and
+checkpoint size.
 """
 
 from __future__ import annotations

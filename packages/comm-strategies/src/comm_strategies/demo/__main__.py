@@ -1,8 +1,9 @@
 """``python -m comm_strategies.demo``: the digits under every strategy, then a summary table.
 
 Each strategy runs in its own processes (torchrun with ``--nproc`` local ranks: one per GPU
-under nccl on a GPU machine, else 2 CPU ranks under gloo; one process for ``single``), on 127.0.0.1 only. The DeepSpeed run's checkpoint is then loaded
-for evaluation by one plain process.
+under nccl on a GPU machine, else 2 CPU ranks under gloo; one process for ``single``), on
+127.0.0.1 only. The DeepSpeed run's checkpoint is then loaded for evaluation by one plain
+process.
 """
 
 from __future__ import annotations
