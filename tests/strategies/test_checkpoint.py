@@ -257,6 +257,49 @@ def test_a_folder_that_is_not_a_checkpoint_is_an_error_and_stays(tmp_path: Path)
     assert (tmp_path / "empty" / "manifest.json").is_file()
 
 
+def test_a_folder_with_a_foreign_manifest_is_an_error_and_stays(tmp_path: Path) -> None:
+    # manifest.json is a common name (a web app's, a data set's): only a manifest this
+    # package wrote makes a folder a checkpoint that a save may replace
+    import torch
+
+    from comm_strategies.checkpoint import CheckpointError, save_checkpoint
+
+    app = tmp_path / "webapp"
+    app.mkdir()
+    (app / "manifest.json").write_text('{"name": "my app", "format_version": 3}')
+    (app / "index.html").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"found a folder at .*webapp that is not a"):
+        save_checkpoint(app, model=torch.nn.Linear(3, 2), strategy="single")
+    assert (app / "index.html").read_text() == "mine"
+    assert sorted(p.name for p in app.iterdir()) == ["index.html", "manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["webapp"]
+
+
+def test_glob_characters_in_the_name_remove_only_its_own_leftovers(tmp_path: Path) -> None:
+    # the leftovers of killed saves are found by a pattern built from the name: a name
+    # holding *, ? or [ once matched (and deleted) other saves' folders and user files
+    import torch
+
+    from comm_strategies.checkpoint import _save, load_checkpoint, save_checkpoint
+
+    (tmp_path / ".epoch_1.tmp-running").mkdir()  # another save of another name
+    (tmp_path / ".notes.old-2024").write_text("mine")
+    (tmp_path / ".ckpt[1].tmp-killed").mkdir()  # a killed save of this very name
+    model = torch.nn.Linear(3, 2)
+    for name, step in (("*", 1), ("epoch_?", 2), ("ckpt[1]", 3)):
+        save_checkpoint(tmp_path / name, model=model, strategy="single", extra={"step": step})
+        assert load_checkpoint(tmp_path / name, model=torch.nn.Linear(3, 2)) == {"step": step}
+    _save._wait_for_deletions()
+    assert (tmp_path / ".notes.old-2024").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "*",
+        ".epoch_1.tmp-running",
+        ".notes.old-2024",
+        "ckpt[1]",
+        "epoch_?",
+    ]
+
+
 def test_a_link_at_the_path_is_replaced_and_its_target_kept(tmp_path: Path) -> None:
     import torch
 

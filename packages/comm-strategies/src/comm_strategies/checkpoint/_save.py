@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
 import shutil
@@ -349,12 +350,28 @@ def _replaceable(final: Path) -> str:
         return "ok"
     if not final.is_dir():
         return f"found a file at {final}, not a checkpoint folder; pass another path or remove it"
-    if (final / MANIFEST_NAME).is_file() or not any(final.iterdir()):
+    if _is_checkpoint(final) or not any(final.iterdir()):
         return "ok"
     return (
-        f"found a folder at {final} that is not a checkpoint (no {MANIFEST_NAME} in it); a "
+        f"found a folder at {final} that is not a checkpoint (no {MANIFEST_NAME} written by "
+        "comm-strategies in it); a "
         "save replaces the folder at its path, so pass another path (a new folder inside "
         "it, say) or remove the folder"
+    )
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a manifest this package wrote (``manifest.json`` alone is a
+    common name: a web app's or a data set's folder may hold one)."""
+    try:
+        data = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    versions = data.get("versions") if isinstance(data, dict) else None
+    return (
+        isinstance(data.get("format_version"), int)
+        and isinstance(versions, dict)
+        and "comm-strategies" in versions
     )
 
 
@@ -421,7 +438,8 @@ def _fsync_dir(folder: Path) -> None:
 def _remove_stale(final: Path) -> None:
     """Remove the temporary folders that earlier, killed saves of ``final`` left behind,
     and replaced copies whose background deletion a killed process did not finish."""
-    for pattern in (f".{final.name}.tmp-*", f".{final.name}.old-*"):
+    name = glob.escape(final.name)  # a name holding *, ? or [ must match only itself
+    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
         for stale in final.parent.glob(pattern):
             thread = _deleting.get(stale)
             if thread is None or not thread.is_alive():  # not being deleted already
