@@ -441,3 +441,22 @@ def without_inline(case: str, *args: Any) -> Any:
 
     with inline_limit(0):
         return globals()[case](*args)
+
+
+def reduce_dict_equal_keys_of_other_types() -> dict[str, Any]:
+    """Keys equal as Python values but of other types (True == 1 == 1.0): the layout's
+    signature is derived from the keys' repr, so what a rank remembers from an earlier call
+    must not stand for a later call's keys."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    # a first call where rank 0 keys by True and rank 1 by 1 (a mismatch: the signatures
+    # differ) leaves each rank remembering the signature of its own keys
+    first = {True if rank == 0 else 1: torch.tensor([1.0])}
+    out["first"] = _caught(dist.all_reduce_dict, first)[0]
+    # then both ranks reduce the same dict keyed by 1
+    result = {}
+    out["int_key"] = _caught(
+        lambda: result.update(dist.all_reduce_dict({1: torch.tensor([rank + 1.0])}))
+    )
+    out["int_value"] = {repr(k): v.tolist() for k, v in result.items()}
+    return out
