@@ -454,9 +454,7 @@ def reduce_dict_equal_keys_of_other_types() -> dict[str, Any]:
     first = {True if rank == 0 else 1: torch.tensor([1.0])}
     out["first"] = _caught(dist.all_reduce_dict, first)[0]
     # then both ranks reduce the same dict keyed by 1
-    result = {}
-    out["int_key"] = _caught(
-        lambda: result.update(dist.all_reduce_dict({1: torch.tensor([rank + 1.0])}))
-    )
+    result = {1: torch.tensor([rank + 1.0])}
+    out["int_key"] = _caught(dist.all_reduce_dict, result)
     out["int_value"] = {repr(k): v.tolist() for k, v in result.items()}
     return out
