@@ -232,7 +232,10 @@ def _segments(keys: list[Any], values: list[torch.Tensor], layout: _Layout) -> l
 def _layout_signature(keys: list[Any], layout: _Layout) -> int:
     """Digest of the keys, shapes, dtypes and device types, equal on ranks that hold the
     same layout. Recent layouts are remembered: a loop reduces the same dict every step."""
-    memo = (tuple(keys), layout)
+    # keys equal across types (True == 1 == 1.0) have different reprs, hence digests: the
+    # memo holds str keys as they are (the common case) and other keys by their repr
+    named = all(type(key) is str for key in keys)
+    memo = (tuple(keys) if named else repr(keys), layout)
     cached = _SIGNATURES.get(memo)
     if cached is not None:
         return cached
@@ -250,7 +253,7 @@ def _layout_signature(keys: list[Any], layout: _Layout) -> int:
     return signature
 
 
-_SIGNATURES: dict[tuple[tuple[Any, ...], _Layout], int] = {}
+_SIGNATURES: dict[tuple[tuple[Any, ...] | str, _Layout], int] = {}
 _SIGNATURES_KEPT = 64
 
 
