@@ -207,3 +207,17 @@ def test_cast_data_device_keeps_a_defaultdict_and_its_factory() -> None:
     assert moved.default_factory is list
     assert moved["x"][0].device == torch.device("meta")
     assert moved["missing"] == []
+
+
+def test_cast_data_device_copies_a_dataclass_into_out() -> None:
+    # out= mirrors data: a dataclass's tensor fields are copied into out's, as a dict's
+    # values are (they were skipped without a word, out kept its old values)
+    batch = Tagged(torch.tensor([1.0, 2.0]))
+    batch.weights = torch.tensor([0.25, 0.5])
+    out = Tagged(torch.zeros(2))
+    out.weights = torch.zeros(2)
+    cast_data_device({"b": batch}, "cpu", out={"b": out})
+    assert out.inputs.tolist() == [1.0, 2.0]
+    assert out.weights.tolist() == [0.25, 0.5]
+    with pytest.raises(TypeError, match=r"out must mirror data.*data\['b'\] is a Tagged"):
+        cast_data_device({"b": batch}, "cpu", out={"b": [torch.zeros(2)]})
