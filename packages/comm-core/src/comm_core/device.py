@@ -199,6 +199,18 @@ def _copy_into(data: Any, out: Any, path: str) -> None:
             raise TypeError(message)
         out.copy_(data)
         return
+    if dataclasses.is_dataclass(data) and not isinstance(data, (type, Mapping)):  # as _cast
+        if type(out) is not type(data):
+            message = (
+                f"cast_data_device: out must mirror data, but {path} is a "
+                f"{type(data).__name__} in data and a {type(out).__name__} in out."
+            )
+            raise TypeError(message)
+        for field in dataclasses.fields(data):
+            if hasattr(data, field.name):
+                value = getattr(data, field.name)
+                _copy_into(value, getattr(out, field.name, None), f"{path}.{field.name}")
+        return
     if isinstance(data, Mapping):
         if not isinstance(out, Mapping) or set(out) != set(data):
             message = f"cast_data_device: out must have the keys of data at {path}."
