@@ -442,3 +442,23 @@ def state_capture_fails_on_rank_0(root: str) -> str:
     except CheckpointError as error:
         return str(error)
     return "no error"
+
+
+def save_with_unbounded_timeouts(root: str) -> dict[str, str]:
+    """timeout= at its edges (infinity, NaN, zero, negative), with rank 1 entering late:
+    each rank's outcome (the error's type and text, or "ok")."""
+    import math
+
+    model = torch.nn.Linear(3, 2)
+    out: dict[str, str] = {}
+    cases = (("inf", math.inf), ("nan", math.nan), ("zero", 0.0), ("negative", -1.0))
+    for name, timeout in cases:
+        if dist.get_rank() == 1:
+            time.sleep(0.5)  # past the quick check: the store's own bounded wait runs
+        try:
+            save_checkpoint(f"{root}/{name}", model=model, strategy="ddp", timeout=timeout)
+            out[name] = "ok"
+        except Exception as error:  # noqa: BLE001 - the case reports any outcome
+            out[name] = f"{type(error).__name__}: {error}"
+        dist.barrier()
+    return out
