@@ -9,6 +9,7 @@ each rank's outcome), whatever the backend (gloo, NCCL): no tensor, no device sy
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from datetime import timedelta
@@ -45,18 +46,31 @@ def where() -> str:
     return f"rank {rank()} of {world_size()}"
 
 
-def handshake_timeout(timeout: float | None) -> float:
+def handshake_timeout(timeout: float | None, operation: str) -> float:
     """The timeout of the entry handshake: the argument, the variable, or the default."""
     if timeout is not None:
-        return float(timeout)
+        return _checked(float(timeout), "timeout", operation)
     value = os.environ.get(_TIMEOUT_VARIABLE)
     if value:
         try:
-            return float(value)
+            seconds = float(value)
         except ValueError:
             message = f"{_TIMEOUT_VARIABLE} must be a number of seconds, got {value!r}"
             raise CheckpointError(message) from None
+        return _checked(seconds, _TIMEOUT_VARIABLE, operation)
     return DEFAULT_TIMEOUT_S
+
+
+def _checked(seconds: float, source: str, operation: str) -> float:
+    """``seconds`` when it bounds a wait: the store's wait takes infinity or NaN as a
+    deadline already passed, and 0 (or less) as its own default timeout."""
+    if not (0.0 < seconds < math.inf):
+        message = (
+            f"{operation}: {source} must be a positive, finite number of seconds, got "
+            f"{seconds!r}; pass a large number (86400: a day) to wait long"
+        )
+        raise CheckpointError(message)
+    return seconds
 
 
 _FIRST = "enter"  # the first exchange of every call

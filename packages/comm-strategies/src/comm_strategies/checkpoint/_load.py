@@ -85,7 +85,7 @@ def load_checkpoint(
             ``allow_unsafe_pickle``, or the optimizer state cannot move between formats.
     """
     kind = model_kind(model)
-    wait = _dist.handshake_timeout(timeout)
+    wait = _dist.handshake_timeout(timeout, "load_checkpoint")
     exchange = _dist.Exchange("load_checkpoint")
     source = Path(path).absolute()
     entries = exchange.all_gather("enter", str(source), wait)

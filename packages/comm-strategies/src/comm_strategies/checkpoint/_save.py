@@ -130,7 +130,7 @@ def save_checkpoint(
     fmt = choose_format(kind, sharded)
     if fmt == "full" and kind == "deepspeed" and optim_wrapper is not None:
         _refuse_deepspeed_optimizer(model, "save_checkpoint(sharded=False)")
-    wait = _dist.handshake_timeout(timeout)
+    wait = _dist.handshake_timeout(timeout, "save_checkpoint")
     exchange = _dist.Exchange("save_checkpoint")
     final = Path(path).absolute()
     me = _dist.rank()
