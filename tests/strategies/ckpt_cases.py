@@ -462,3 +462,20 @@ def save_with_unbounded_timeouts(root: str) -> dict[str, str]:
             out[name] = f"{type(error).__name__}: {error}"
         dist.barrier()
     return out
+
+
+def save_and_load_odd_names(root: str) -> dict[str, Any]:
+    """Save and load under names holding a bar, quotes, a newline, non-ASCII letters and a
+    byte that is not UTF-8 (a name read from the filesystem with os.fsdecode)."""
+    model = torch.nn.Linear(2, 1)
+    out: dict[str, Any] = {}
+    for name in ("a|b", "q\"u'o", "new\nline", "ünï€", os.fsdecode(b"x\xff")):
+        try:
+            path = save_checkpoint(
+                os.path.join(root, name), model=model, strategy="ddp", extra={"n": name}
+            )
+            loaded = load_checkpoint(path, model=torch.nn.Linear(2, 1))
+            out[repr(name)] = loaded["n"] == name
+        except Exception as error:  # the case reports any outcome
+            out[repr(name)] = f"{type(error).__name__}: {error}"
+    return out
