@@ -74,6 +74,7 @@ def _checked(seconds: float, source: str, operation: str) -> float:
 
 
 _FIRST = "enter"  # the first exchange of every call
+_ENCODING = "utf-8"
 
 
 class Exchange:
@@ -101,14 +102,17 @@ class Exchange:
             return [value]
         me, world = rank(), world_size()
         keys = [f"{self.prefix}/{name}/{r}" for r in range(world)]
-        self.store.set(keys[me], value.encode())
+        # surrogateescape: a path read from the filesystem may hold bytes that are not UTF-8
+        self.store.set(keys[me], value.encode(_ENCODING, "surrogateescape"))
         try:
             if not self._arrived_soon(keys):
                 self.store.wait(keys, timedelta(seconds=timeout))
         except Exception as error:  # the store raises a plain RuntimeError/DistStoreError
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
             if not missing:  # the last rank posted just after the deadline: it is here
-                return [bytes(self.store.get(key)).decode() for key in keys]
+                return [
+                    bytes(self.store.get(key)).decode(_ENCODING, "surrogateescape") for key in keys
+                ]
             if name == _FIRST:
                 self._withdraw(keys[me])
             message = (
@@ -118,7 +122,7 @@ class Exchange:
                 f"ranks are only slow, raise the timeout ({_TIMEOUT_VARIABLE} or timeout=)."
             )
             raise CheckpointError(message) from error
-        return [bytes(self.store.get(key)).decode() for key in keys]
+        return [bytes(self.store.get(key)).decode(_ENCODING, "surrogateescape") for key in keys]
 
     def _withdraw(self, key: str) -> None:
         """Undo this call's entry after the others did not come (a call on rank 0 alone).
