@@ -21,7 +21,7 @@ from ..__about__ import __version__
 from . import _dist, _rng
 from ._errors import CheckpointError
 from ._files import fsync_enabled, save_tensor_file, write_json
-from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest
 from ._models import (
     deepspeed_engine,
     describe_params,
@@ -354,9 +354,8 @@ def _replaceable(final: Path) -> str:
         return "ok"
     return (
         f"found a folder at {final} that is not a checkpoint (no {MANIFEST_NAME} written by "
-        "comm-strategies in it); a "
-        "save replaces the folder at its path, so pass another path (a new folder inside "
-        "it, say) or remove the folder"
+        "comm-strategies in it); a save replaces the folder at its path, so pass another "
+        "path (a new folder inside it, say) or remove the folder"
     )
 
 
@@ -364,15 +363,10 @@ def _is_checkpoint(folder: Path) -> bool:
     """Whether ``folder`` holds a manifest this package wrote (``manifest.json`` alone is a
     common name: a web app's or a data set's folder may hold one)."""
     try:
-        data = json.loads((folder / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
+        manifest = read_manifest(folder)
+    except CheckpointError:  # none, damaged, or another program's
         return False
-    versions = data.get("versions") if isinstance(data, dict) else None
-    return (
-        isinstance(data.get("format_version"), int)
-        and isinstance(versions, dict)
-        and "comm-strategies" in versions
-    )
+    return "comm-strategies" in manifest.versions
 
 
 def _publish(temporary: Path, final: Path) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import review_stream_cases
+from . import stream_failure_cases
 
 
 def test_stream_failures_at_other_positions(comm_run_distributed: Any) -> None:
     results = comm_run_distributed(
-        review_stream_cases.stream_failure_positions, world_size=3, timeout=120
+        stream_failure_cases.stream_failure_positions, world_size=3, timeout=120
     )
     for rank, r in enumerate(results):
         where = f"rank {rank}: {r}"
