@@ -11,7 +11,7 @@ import torch
 import comm_collectives as dist
 
 from .cases import Unpicklable
-from .streamed_cases import ITEMS, _follow_up, _outcome
+from .streamed_cases import ITEMS, _run, _strings
 
 
 class _Opaque(Exception):
@@ -33,37 +33,16 @@ def stream_failure_positions() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
     # 1. rank 2's last item fails: its handshake is through and chunks already went
-    part: list[Any] = [f"{rank}-{i}" for i in range(ITEMS)]
-    if rank == 2:
-        part[-1] = Unpicklable()
-    out["last"] = _outcome(dist.collect_results, part, world * ITEMS)
-    out["last_next"] = _follow_up(rank, world)
+    _run(out, "last", _strings(rank, {2: {ITEMS - 1: Unpicklable()}}), world * ITEMS)
     # 2. rank 1 fails at its end (streaming), rank 2 while its handshake travels
-    part = [f"{rank}-{i}" for i in range(ITEMS)]
-    if rank == 1:
-        part[-1] = Unpicklable()
-    if rank == 2:
-        part[10_000] = Unpicklable()
-    out["late_and_travelling"] = _outcome(dist.collect_results, part, world * ITEMS)
-    out["late_and_travelling_next"] = _follow_up(rank, world)
+    failing = {1: {ITEMS - 1: Unpicklable()}, 2: {10_000: Unpicklable()}}
+    _run(out, "late_and_travelling", _strings(rank, failing), world * ITEMS)
     # 3. tensors travel out of band; rank 1 fails after them, at its end
-    part = [torch.full((5000,), float(rank * 100 + i)) for i in range(40)]
-    if rank == 1:
-        part.append(Unpicklable())
-    else:
-        part.append(torch.zeros(1))
-    out["after_buffers"] = _outcome(dist.collect_results, part, world * 41)
-    out["after_buffers_next"] = _follow_up(rank, world)
+    part: list[Any] = [torch.full((5000,), float(rank * 100 + i)) for i in range(40)]
+    part.append(Unpicklable() if rank == 1 else torch.zeros(1))
+    _run(out, "after_buffers", part, world * 41)
     # 4. an error that itself cannot be pickled, while rank 1's handshake travels
-    part = [f"{rank}-{i}" for i in range(ITEMS)]
-    if rank == 1:
-        part[10_000] = _RaisesOpaque()
-    out["opaque"] = _outcome(dist.collect_results, part, world * ITEMS)
-    out["opaque_next"] = _follow_up(rank, world)
+    _run(out, "opaque", _strings(rank, {1: {10_000: _RaisesOpaque()}}), world * ITEMS)
     # 5. the same, before the first frame (reported in the handshake itself)
-    part = [f"{rank}-{i}" for i in range(ITEMS)]
-    if rank == 1:
-        part[3] = _RaisesOpaque()
-    out["opaque_early"] = _outcome(dist.collect_results, part, world * ITEMS)
-    out["opaque_early_next"] = _follow_up(rank, world)
+    _run(out, "opaque_early", _strings(rank, {1: {3: _RaisesOpaque()}}), world * ITEMS)
     return out

@@ -60,6 +60,21 @@ def _follow_up(rank: int, world: int) -> bool:
     return float(t) == world * (world + 1) / 2 and again == want
 
 
+def _strings(rank: int, failing: dict[int, dict[int, Any]] | None = None) -> list[Any]:
+    """This rank's part of ``ITEMS`` short strings; ``failing[rank]`` replaces items by index."""
+    part: list[Any] = [f"{rank}-{i}" for i in range(ITEMS)]
+    for index, item in (failing or {}).get(rank, {}).items():
+        part[index] = item
+    return part
+
+
+def _run(out: dict[str, Any], name: str, part: list[Any], size: int, **kwargs: Any) -> None:
+    """collect_results of ``part`` as ``out[name]``, then whether the next calls work."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out[name] = _outcome(dist.collect_results, part, size, **kwargs)
+    out[f"{name}_next"] = _follow_up(rank, world)
+
+
 def _capacities() -> list[int]:
     group = dist.get_cpu_group()
     state = protocol._state(group)
@@ -83,25 +98,14 @@ def streamed_matrix(mode: str) -> dict[str, Any]:
         out["ok_next"] = _follow_up(rank, world)
         out["ok_states"] = _capacities()
         # 2. rank 2's item 10,000 cannot be pickled: its handshake is under way then
-        part = [f"{rank}-{i}" for i in range(ITEMS)]
-        if rank == 2:
-            part[10_000] = Unpicklable()
-        out["announcing"] = _outcome(dist.collect_results, part, world * ITEMS)
-        out["announcing_next"] = _follow_up(rank, world)
+        _run(out, "announcing", _strings(rank, {2: {10_000: Unpicklable()}}), world * ITEMS)
         # 3. rank 1 fails before its first frame (reported in the handshake); rank 2 fails
         #    while its handshake travels: every rank raises the handshake's error
-        part = [f"{rank}-{i}" for i in range(ITEMS)]
-        if rank == 1:
-            part[10] = Unpicklable()
-        if rank == 2:
-            part[10_000] = Unpicklable()
-        out["both"] = _outcome(dist.collect_results, part, world * ITEMS)
-        out["both_next"] = _follow_up(rank, world)
+        failing = {1: {10: Unpicklable()}, 2: {10_000: Unpicklable()}}
+        _run(out, "both", _strings(rank, failing), world * ITEMS)
         # 4. rank 2 passes a tmpdir, the others do not: rank 1 learns of the mismatch
         #    from inside its pickler's write
-        part = [f"{rank}-{i}" for i in range(ITEMS)]
         tmpdir = "/tmp/comm-streamed-mismatch" if rank == 2 else None
-        out["mismatch"] = _outcome(dist.collect_results, part, world * ITEMS, tmpdir=tmpdir)
-        out["mismatch_next"] = _follow_up(rank, world)
+        _run(out, "mismatch", _strings(rank), world * ITEMS, tmpdir=tmpdir)
         out["end_states"] = _capacities()
     return out
