@@ -129,9 +129,10 @@ class Exchange:
 
         The key is deleted and the call's number given back, so this rank's next call
         carries the number the other ranks' next call has: a save made under
-        ``if rank == 0`` fails once, and the collective saves after it work. (A rank that
-        reaches ``enter`` in the instant the timed-out rank withdraws may still see its
-        key; the next step then times out on it, as before.)
+        ``if rank == 0`` fails once, and the collective saves after it work. Not covered: a
+        rank that reaches ``enter`` in the instant the timed-out rank withdraws may still
+        see its key and go on alone; its outcome all-reduce then waits for the process
+        group's timeout, or meets the other rank's next collective on the CPU group.
         """
         global _calls
         try:
