@@ -437,7 +437,7 @@ def mismatch_rows() -> list[dict[str, object]]:
 
 def without_inline(case: str, *args: Any) -> Any:
     """Run ``case`` with inline data switched off: every collective takes its long path."""
-    from comm_collectives._protocol import inline_limit
+    from comm_collectives._capacity import inline_limit
 
     with inline_limit(0):
         return globals()[case](*args)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as torch_dist
 
 import comm_collectives as dist
-from comm_collectives import _protocol as protocol
+from comm_collectives import _capacity, _frame, _route
 from comm_core import CollectiveMismatchError, RemoteRankError, process_group
 
 from .cases import _caught
@@ -44,7 +44,7 @@ def paths_agree(names: list[str], ops: list[str]) -> dict[str, Any]:
             calls = 0
             for path in ("inline", "long"):
                 t = x.clone()
-                limit = protocol.inline_limit(0) if path == "long" else contextlib.nullcontext()
+                limit = _capacity.inline_limit(0) if path == "long" else contextlib.nullcontext()
                 before = group._get_sequence_number_for_group()
                 with limit:
                     try:
@@ -82,13 +82,13 @@ def dtype_codes() -> dict[str, Any]:
 
 def version_mismatch() -> dict[str, Any]:
     rank = dist.get_rank()
-    saved = protocol.VERSION
+    saved = _frame.VERSION
     if rank == 1:
-        protocol.VERSION = saved + 7
+        _frame.VERSION = saved + 7
     try:
         caught = _caught(dist.all_reduce, torch.ones(2))
     finally:
-        protocol.VERSION = saved
+        _frame.VERSION = saved
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     return {"caught": caught, "next": float(t)}
@@ -99,7 +99,7 @@ def minor_cases(long_path: bool) -> dict[str, Any]:
     all_reduce_params all or nothing."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
-    limit = protocol.inline_limit(0) if long_path else contextlib.nullcontext()
+    limit = _capacity.inline_limit(0) if long_path else contextlib.nullcontext()
     with limit:
         leaf = torch.full((3,), float(rank + 1), requires_grad=True)
         dist.all_reduce(leaf)
@@ -148,19 +148,19 @@ def side_channel_counts() -> dict[str, Any]:
     the side group (the nccl layout, forced on gloo)."""
     rank = dist.get_rank()
     group = torch_dist.distributed_c10d._get_default_group()
-    saved = protocol.side_channel, process_group._CPU_BACKENDS
+    saved = _route.side_channel, process_group._CPU_BACKENDS
     # the nccl layout on gloo: headers on the CPU route, and gloo counted as a backend
     # without CPU support, so the route is comm-core's CPU twin of the default group
-    protocol.side_channel, process_group._CPU_BACKENDS = True, ()
+    _route.side_channel, process_group._CPU_BACKENDS = True, ()
     try:
-        side = protocol.header_route(group)[0]
+        side = _route.header_route(group)[0]
         assert side is not None
         out: dict[str, Any] = {}
         for name, path in (("inline", False), ("long", True)):
             t = torch.full((3,), float(rank + 1))
             data0 = group._get_sequence_number_for_group()
             side0 = side._get_sequence_number_for_group()
-            limit = protocol.inline_limit(0) if path else contextlib.nullcontext()
+            limit = _capacity.inline_limit(0) if path else contextlib.nullcontext()
             with limit:
                 dist.all_reduce(t)
             out[name] = (
@@ -170,12 +170,12 @@ def side_channel_counts() -> dict[str, Any]:
             )
         out["mismatch"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
         out["remote"] = _caught(dist.all_reduce, torch.ones(2), op="avg" if rank else "sum")[0]
-        out["same_side"] = protocol.header_route(group)[0] is side
+        out["same_side"] = _route.header_route(group)[0] is side
         # one CPU twin of the world: the headers' route is the group collect_results uses
         out["is_cpu_twin"] = side is dist.get_cpu_group() and side is not group
         return out
     finally:
-        protocol.side_channel, process_group._CPU_BACKENDS = saved
+        _route.side_channel, process_group._CPU_BACKENDS = saved
 
 
 def unchecked_cases() -> dict[str, Any]:
@@ -217,10 +217,10 @@ def side_channel_subgroups() -> dict[str, Any]:
     """Headers on the CPU route with subgroups that only some ranks use, then a group of
     every rank: no group creation may depend on which groups a rank made before."""
     rank = dist.get_rank()
-    saved = protocol.side_channel, process_group._CPU_BACKENDS
+    saved = _route.side_channel, process_group._CPU_BACKENDS
     # the nccl layout on gloo: headers on the CPU route, and gloo counted as a backend
     # without CPU support, so the route is comm-core's CPU twin of the default group
-    protocol.side_channel, process_group._CPU_BACKENDS = True, ()
+    _route.side_channel, process_group._CPU_BACKENDS = True, ()
     try:
         pair = torch_dist.new_group([0, 1])
         out: dict[str, Any] = {}
@@ -237,7 +237,7 @@ def side_channel_subgroups() -> dict[str, Any]:
         torch_dist.destroy_process_group(everyone)
         return out
     finally:
-        protocol.side_channel, process_group._CPU_BACKENDS = saved
+        _route.side_channel, process_group._CPU_BACKENDS = saved
 
 
 def debug_env_on_one_rank_unchecked() -> dict[str, Any]:

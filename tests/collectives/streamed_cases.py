@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import comm_collectives as dist
-from comm_collectives import _protocol as protocol
+from comm_collectives import _capacity, _compact, _route
 from comm_core import CollectiveMismatchError, RemoteRankError, process_group
 
 from .cases import Unpicklable
@@ -21,19 +21,19 @@ ITEMS = 30_000  # about 260 KB pickled: streamed
 
 
 @contextlib.contextmanager
-def _route(mode: str) -> Iterator[None]:
-    saved = protocol.COMPACT_ABOVE, protocol.side_channel, process_group._CPU_BACKENDS
+def _on_route(mode: str) -> Iterator[None]:
+    saved = _compact.COMPACT_ABOVE, _route.side_channel, process_group._CPU_BACKENDS
     previous = os.environ.get("COMM_DEBUG")
     if mode == "compact":
-        protocol.COMPACT_ABOVE = 1
+        _compact.COMPACT_ABOVE = 1
     elif mode == "side":
-        protocol.side_channel, process_group._CPU_BACKENDS = True, ()
+        _route.side_channel, process_group._CPU_BACKENDS = True, ()
     elif mode == "debug":
         os.environ["COMM_DEBUG"] = "1"
     try:
         yield
     finally:
-        protocol.COMPACT_ABOVE, protocol.side_channel, process_group._CPU_BACKENDS = saved
+        _compact.COMPACT_ABOVE, _route.side_channel, process_group._CPU_BACKENDS = saved
         if previous is None:
             os.environ.pop("COMM_DEBUG", None)
         else:
@@ -77,8 +77,8 @@ def _run(out: dict[str, Any], name: str, part: list[Any], size: int, **kwargs: A
 
 def _capacities() -> list[int]:
     group = dist.get_cpu_group()
-    state = protocol._state(group)
-    default = protocol._state(None)
+    state = _capacity.capacity_state(group)
+    default = _capacity.capacity_state(None)
     return [state.capacity, state.quiet, default.capacity, default.quiet]
 
 
@@ -87,7 +87,7 @@ def streamed_matrix(mode: str) -> dict[str, Any]:
     raised, whether the next calls worked, and the inline states after it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
-    with _route(mode):
+    with _on_route(mode):
         # 1. no failure: rank 0 gets the parts interleaved
         part = [f"{rank}-{i}" for i in range(ITEMS)]
         got = _outcome(dist.collect_results, part, world * ITEMS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from comm_collectives._protocol import COMPACT_ABOVE, handshake_bytes
+from comm_collectives._compact import COMPACT_ABOVE, handshake_bytes
 
 KIB = 1024
 

@@ -20,11 +20,11 @@ def no_host_sync() -> dict[str, Any]:
     import torch.distributed as torch_dist
 
     import comm_collectives as dist
-    from comm_collectives import _protocol as protocol
+    from comm_collectives import _route
 
     rank = dist.get_rank()
     group = torch_dist.distributed_c10d._get_default_group()
-    route = protocol.header_route(group)
+    route = _route.header_route(group)
     t = torch.full((1000,), float(rank + 1), device="cuda")
     d = {"a": torch.full((3,), float(rank), device="cuda")}
     b = torch.full((4,), float(rank + 10), device="cuda")

@@ -11,7 +11,7 @@ import torch.distributed as torch_dist
 
 import comm_collectives as dist
 from comm_collectives import _buffers as buffers
-from comm_collectives._protocol import inline_capacity
+from comm_collectives._capacity import inline_capacity
 
 
 def capacity_adapts() -> dict[str, Any]:
@@ -99,7 +99,7 @@ def collectives_per_call() -> dict[str, int]:
 
 def collectives_per_call_long() -> dict[str, int]:
     """The same calls with inline data switched off: handshake plus data transfer."""
-    from comm_collectives._protocol import inline_limit
+    from comm_collectives._capacity import inline_limit
 
     with inline_limit(0):
         return collectives_per_call()
@@ -158,7 +158,7 @@ def broadcast_large_pieces(src: int, long_path: bool) -> dict[str, Any]:
     """broadcast_object_list of :func:`_large_object` from ``src``; every rank records the
     plan of messages it derived and how many collectives the call took."""
     from comm_collectives import objects
-    from comm_collectives._protocol import inline_limit
+    from comm_collectives._capacity import inline_limit
 
     rank = dist.get_rank()
     group = torch_dist.distributed_c10d._get_default_group()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import comm_collectives as dist
-from comm_collectives import _protocol as protocol
+from comm_collectives import _capacity, _compact, _faults, _modes, _route
 from comm_core import CollectiveMismatchError, CommTimeoutError, RemoteRankError, process_group
 
 # fault kinds: a bad argument, a local failure before the handshake ("local") or after it
@@ -115,11 +115,11 @@ def _hook(stage: str, active: bool) -> Iterator[None]:
             message = f"injected failure at {at} of {operation}"
             raise InjectedError(message)
 
-    protocol.fault_hook = fail if active else None
+    _modes.fault_hook = fail if active else None
     try:
         yield
     finally:
-        protocol.fault_hook = None
+        _modes.fault_hook = None
 
 
 def _expected(name: str, kind: str) -> str:
@@ -139,12 +139,12 @@ def _follow_up(rank: int, world: int) -> bool:
 def fault_matrix(compact: bool = False) -> dict[str, Any]:
     """Every (collective, kind) cell: what this rank raised, in how many seconds, and
     whether the next all_reduce worked (``compact``: the exchange of large worlds)."""
-    saved = protocol.COMPACT_ABOVE
-    protocol.COMPACT_ABOVE = 1 if compact else saved
+    saved = _compact.COMPACT_ABOVE
+    _compact.COMPACT_ABOVE = 1 if compact else saved
     try:
         return _fault_matrix()
     finally:
-        protocol.COMPACT_ABOVE = saved
+        _compact.COMPACT_ABOVE = saved
 
 
 def _fault_matrix() -> dict[str, Any]:
@@ -162,7 +162,7 @@ def _fault_matrix() -> dict[str, Any]:
             raised, ranks = "", None
             start = time.monotonic()
             with _hook(stage, odd and bool(stage)):
-                limit = protocol.inline_limit(0) if long_path else contextlib.nullcontext()
+                limit = _capacity.inline_limit(0) if long_path else contextlib.nullcontext()
                 with limit:
                     try:
                         call(rank, world, kind, odd)
@@ -191,16 +191,16 @@ def killed_rank(name: str, stage: str, folder: str) -> str:
     # The survivors' wait for the others' liveness marks: short where the only survivor is
     # rank 0; the library's 3 s in a world of 3, where a survivor slowed by a loaded machine
     # must not be taken for a lost one.
-    protocol._LIVENESS_WAIT_S = 1.0 if world == 2 else 3.0
+    _faults._LIVENESS_WAIT_S = 1.0 if world == 2 else 3.0
 
     def die(at: str, operation: str) -> None:
         if at == stage:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    protocol.fault_hook = die if rank == victim else None
+    _modes.fault_hook = die if rank == victim else None
     record: dict[str, Any] = {"raised": "", "ranks": None, "lost": False}
     start = time.monotonic()
-    limit = protocol.inline_limit(0) if stage == "staging" else contextlib.nullcontext()
+    limit = _capacity.inline_limit(0) if stage == "staging" else contextlib.nullcontext()
     try:
         with limit:
             _tensor_case(name)(rank, world, "", False)
@@ -217,7 +217,7 @@ def killed_rank(name: str, stage: str, folder: str) -> str:
     except Exception as exc:
         record["raised"] = f"unexpected {type(exc).__name__}: {exc}"
     finally:
-        protocol.fault_hook = None
+        _modes.fault_hook = None
     record["seconds"] = round(time.monotonic() - start, 3)
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
         json.dump(record, handle)
@@ -251,15 +251,15 @@ def debug_on_some_ranks() -> dict[str, Any]:
 
 def side_channel_matrix() -> dict[str, Any]:
     """The fault matrix with the headers on a CPU side group, as under nccl."""
-    saved = protocol.side_channel, process_group._CPU_BACKENDS
+    saved = _route.side_channel, process_group._CPU_BACKENDS
     # the nccl layout on gloo: headers on the CPU route, and gloo counted as a backend
     # without CPU support, so the route is comm-core's CPU twin of the default group
-    protocol.side_channel, process_group._CPU_BACKENDS = True, ()
+    _route.side_channel, process_group._CPU_BACKENDS = True, ()
     try:
         out = _fault_matrix()
         group = torch.distributed.distributed_c10d._get_default_group()
-        side = protocol.header_route(group)[0]
+        side = _route.header_route(group)[0]
         out["side group"] = side is not group and side is not None
         return out
     finally:
-        protocol.side_channel, process_group._CPU_BACKENDS = saved
+        _route.side_channel, process_group._CPU_BACKENDS = saved

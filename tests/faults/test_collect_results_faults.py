@@ -18,8 +18,7 @@ import torch
 import torch.distributed as torch_dist
 
 import comm_collectives as dist
-from comm_collectives import _protocol as protocol
-from comm_collectives import _stream, results
+from comm_collectives import _faults, _stream, results
 from comm_core import RemoteRankError
 from comm_core.testing import RanksFailedError, WorldPool
 
@@ -163,7 +162,7 @@ def killed_in_collect(victim: int, where: str, folder: str, tmpdir: str | None) 
     second 64 KiB frame, while its part's handshake travels) or, on rank 0, while reading
     the part of rank ``victim`` (``"load"``). The survivors record what they raised (the
     world ends with the dead rank)."""
-    protocol._LIVENESS_WAIT_S = 1.0
+    _faults._LIVENESS_WAIT_S = 1.0
     rank, world = dist.get_rank(), dist.get_world_size()
     part: list[Any]
     if where == "announce":

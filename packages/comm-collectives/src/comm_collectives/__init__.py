@@ -12,8 +12,10 @@ from comm_core import *  # noqa: F403 - the whole comm-core API is part of this 
 from comm_core import __all__ as _core_all
 
 from .__about__ import __version__
+from ._agree import agree
 from ._buffers import empty_cache
-from ._protocol import debug_enabled, debug_mode, unchecked
+from ._modes import debug_enabled, debug_mode, unchecked
+from ._store import rendezvous
 from .coalesced import all_reduce_dict, all_reduce_params
 from .objects import all_gather_object, broadcast_object_list, gather_object
 from .results import collect_results, collect_results_cpu, collect_results_gpu
@@ -22,6 +24,7 @@ from .tensors import all_gather, all_reduce, broadcast, gather, sync_random_seed
 __all__ = [
     *[name for name in _core_all if name != "__version__"],
     "__version__",
+    "agree",
     "all_gather",
     "all_gather_object",
     "all_reduce",
@@ -37,6 +40,7 @@ __all__ = [
     "empty_cache",
     "gather",
     "gather_object",
+    "rendezvous",
     "sync_random_seed",
     "unchecked",
 ]

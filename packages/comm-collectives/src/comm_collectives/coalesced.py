@@ -20,18 +20,11 @@ import torch.distributed as torch_dist
 
 from comm_core import CollectiveMismatchError, get_world_size
 
-from ._protocol import (
-    Header,
-    Inline,
-    agree,
-    checks_enabled,
-    dtype_code,
-    handshake,
-    inline_payloads,
-    local_fault,
-    signature_of,
-    transport,
-)
+from ._agree import agree
+from ._faults import transport
+from ._frame import Header, Inline, dtype_code, inline_payloads, signature_of
+from ._handshake import handshake
+from ._modes import checks_enabled, local_fault
 from .tensors import (
     backend_reduce,
     check_op_dtype,
@@ -161,7 +154,7 @@ def _prepare_all(
         reductions = [prepare_reduction(parts, op, group, operation) for parts in groups]
     except Exception as exc:
         error = exc
-    agree(operation, error, group)
+    agree(operation, error, group=group)
     return reductions
 
 

@@ -20,19 +20,14 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_rank, get_world_size
 
+from ._agree import agree
 from ._buffers import empty_bytes
-from ._protocol import (
-    Header,
-    Inline,
-    Peer,
-    agree,
-    all_gather_flat,
-    handshake,
-    inline_capacity,
-    inline_payloads,
-    local_fault,
-    transport,
-)
+from ._capacity import inline_capacity
+from ._faults import transport
+from ._frame import Header, Inline, Peer, inline_payloads
+from ._handshake import handshake
+from ._modes import local_fault
+from ._route import all_gather_flat
 from ._serialization import Encoded, decode, encode, frame_offsets, head_lengths
 from .tensors import _check_root, global_rank
 
@@ -144,7 +139,7 @@ def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -
         out = empty_bytes(len(counts) * width, device)
     except Exception as exc:
         error = exc
-    agree("all_gather_object", error, group)
+    agree("all_gather_object", error, group=group)
     with transport("all_gather_object", group):
         all_gather_flat(out, send, group=group)
     return _decode_rows(out, counts, width)
@@ -188,7 +183,7 @@ def gather_object(
             out = empty_bytes(len(counts) * width, device)
     except Exception as exc:
         error = exc
-    agree("gather_object", error, group)
+    agree("gather_object", error, group=group)
     root = global_rank(group, dst)
     with transport("gather_object", group):
         if out is None:
@@ -262,7 +257,7 @@ def broadcast_object_list(
             messages = [buffer[first:end] for first, end, _ in plan]
     except Exception as exc:
         error = exc
-    agree("broadcast_object_list", error, group)
+    agree("broadcast_object_list", error, group=group)
     with transport("broadcast_object_list", group):
         for message in messages:
             torch_dist.broadcast(message, root, group=group)

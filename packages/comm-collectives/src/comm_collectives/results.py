@@ -30,17 +30,11 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_cpu_group, get_rank, get_world_size
 
-from ._protocol import (
-    Header,
-    Inline,
-    Peer,
-    handshake,
-    inline_capacity,
-    raise_everywhere,
-    signature_of,
-    start_handshake,
-    transport,
-)
+from ._agree import raise_everywhere
+from ._capacity import inline_capacity
+from ._faults import transport
+from ._frame import Header, Inline, Peer, signature_of
+from ._handshake import handshake, start_handshake
 from ._serialization import decode, dump, encode
 from ._stream import POST_AHEAD_BYTES, PartReader, PartWriter, PeerFailedError
 from .tensors import global_rank

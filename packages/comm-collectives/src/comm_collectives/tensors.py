@@ -2,7 +2,7 @@
 
 Each moves the data to the communication device of the group and back, keeps the caller's
 dtype and device, works in a plain process (a world of one), and starts with the handshake
-of ``comm_collectives._protocol``, so a mismatch raises on every rank instead of hanging.
+of ``comm_collectives._handshake``, so a mismatch raises on every rank instead of hanging.
 Data that fits the handshake frame travels inside it: one collective in all, and a small
 reduction is then done locally in rank order, so every rank gets bit-identical results.
 """
@@ -17,20 +17,13 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_rank, get_world_size
 
+from ._agree import agree
 from ._buffers import empty_bytes
-from ._protocol import (
-    REDUCE_OPS,
-    Header,
-    Inline,
-    Peer,
-    agree,
-    all_gather_flat,
-    checks_enabled,
-    handshake,
-    inline_payloads,
-    local_fault,
-    transport,
-)
+from ._faults import transport
+from ._frame import REDUCE_OPS, Header, Inline, Peer, inline_payloads
+from ._handshake import handshake
+from ._modes import checks_enabled, local_fault
+from ._route import all_gather_flat
 
 __all__ = [
     "all_gather",
@@ -294,7 +287,7 @@ def prepare_reduction(
     """Allocate the long path of reducing ``parts`` as one flat buffer (see ``_Reduction``).
 
     It may raise (a device move, an allocation): the caller then passes the error to
-    [`agree`][comm_collectives._protocol.agree] before any data moves.
+    [`agree`][comm_collectives.agree] before any data moves.
     """
     local_fault("staging", operation)
     return _Reduction(parts, op, group, operation)
@@ -305,7 +298,7 @@ def reduce_inplace(
 ) -> None:
     """Reduce ``tensor`` across ``group`` in place, after the handshake (the caller did it).
 
-    The buffers are prepared first and a second vote ([`agree`][comm_collectives._protocol.agree])
+    The buffers are prepared first and a second vote ([`agree`][comm_collectives.agree])
     makes a local failure there raise on every rank. ``mean`` of an integer tensor is exact:
     the sums are reduced in int64 and the result is stored only when every element divides
     evenly; otherwise a ValueError (the same on every rank, since every rank holds the same
@@ -317,7 +310,7 @@ def reduce_inplace(
         reduction = prepare_reduction([tensor], op, group, operation)
     except Exception as exc:
         error = exc
-    agree(operation, error, group)
+    agree(operation, error, group=group)
     assert reduction is not None
     write_back(tensor, reduction.run())
 
@@ -506,7 +499,7 @@ def all_gather(
         out = empty_bytes(len(shapes) * send.numel(), device)
     except Exception as exc:
         error = exc
-    agree("all_gather", error, group)
+    agree("all_gather", error, group=group)
     with transport("all_gather", group):
         all_gather_flat(out, send, group=group)
     return _split(out, shapes, data.dtype, data.device)
@@ -558,7 +551,7 @@ def gather(
             out = empty_bytes(len(shapes) * send.numel(), device)
     except Exception as exc:
         error = exc
-    agree("gather", error, group)
+    agree("gather", error, group=group)
     with transport("gather", group):
         if out is not None:
             rows = list(out.view(len(shapes), -1).unbind(0))
@@ -622,7 +615,7 @@ def broadcast(
         work = _staged(_plain(data) if me == src else data, device)
     except Exception as exc:
         error = exc
-    agree("broadcast", error, group)
+    agree("broadcast", error, group=group)
     with transport("broadcast", group):
         torch_dist.broadcast(_as_bytes(work), global_rank(group, src), group=group)
     if me != src and work is not data:  # the root's own tensor is never written
@@ -654,7 +647,7 @@ def sync_random_seed(group: torch_dist.ProcessGroup | None = None) -> int:
         varying=False,
     )
     drawn = peers[0].payload
-    if drawn is None:  # inline data switched off (protocol.inline_limit(0))
+    if drawn is None:  # inline data switched off (_capacity.inline_limit(0))
         drawn = mine.to(get_comm_device(group))
         with transport("sync_random_seed", group):
             torch_dist.broadcast(drawn, global_rank(group, 0), group=group)

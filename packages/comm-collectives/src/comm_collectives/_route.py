@@ -1,0 +1,72 @@
+"""Where the handshake's headers, votes and error reports travel.
+
+A group whose communication device is not the CPU (nccl) exchanges them on a CPU side
+group, so reading them never waits for the device: the data stays on the device and the
+host keeps running ahead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as torch_dist
+
+from comm_core import get_comm_device, get_cpu_group
+
+__all__ = ["all_gather_flat", "header_route", "side_channel"]
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; the packages support >= 2.4.
+all_gather_flat = (
+    getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+)
+
+# None: automatic; True forces the CPU route, False keeps the headers on the communication
+# device. The tests run the nccl layout on gloo with True and comm-core's hook that makes
+# gloo count as a backend without CPU support (``comm_core.process_group._CPU_BACKENDS =
+# ()``), so the side group is a real twin distinct from the group.
+side_channel: bool | None = None
+
+
+def header_route(
+    group: torch_dist.ProcessGroup | None,
+) -> tuple[torch_dist.ProcessGroup | None, torch.device]:
+    """The group and the device the handshake of a call on ``group`` uses."""
+    device = get_comm_device(group)
+    use = side_channel if side_channel is not None else device.type != "cpu"
+    if not use:
+        return group, device
+    side = _side_group(group)
+    if side is None:  # a pure nccl subgroup: no CPU group of its members
+        return group, device
+    return side, torch.device("cpu")
+
+
+def _has_cpu_backend(pg: torch_dist.ProcessGroup) -> bool:
+    try:
+        pg._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _side_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGroup | None:
+    """The CPU group that carries the headers of ``group``; None when there is none.
+
+    For the default group that is [`get_cpu_group`][comm_core.get_cpu_group]'s twin, the
+    same gloo group of every rank that ``collect_results`` moves its parts on (``init_dist``
+    creates it under nccl; otherwise the first call on the default group does, on every
+    rank), or the default group itself when its backend moves CPU tensors.
+
+    A subgroup uses its own CPU backend when it has one ("cpu:gloo,cuda:nccl"). A pure nccl
+    subgroup keeps its headers on the device: its twin would be made by its members only,
+    with local synchronisation, and torch names such a group after the number of groups
+    each member knows, which differs when ranks made different subgroups before (as
+    ``get_cpu_group`` explains). ``collect_results`` may raise a clear error then, but a
+    plain collective must not fail because of the groups a rank made earlier.
+    """
+    c10d = torch_dist.distributed_c10d
+    default = c10d._get_default_group()
+    pg = default if group is None or group is torch_dist.group.WORLD else group
+    if pg is not default:
+        return pg if _has_cpu_backend(pg) else None
+    twin = get_cpu_group(None)
+    return default if twin is None else twin

@@ -1,0 +1,158 @@
+"""A bounded exchange of small strings through the default group's key-value store.
+
+No tensor moves and no device is synchronised, so it works the same under gloo and nccl,
+before any collective and after a peer died: each rank posts a key and waits, with a
+deadline, for the keys of the others. The liveness check after a transport error and the
+public [`rendezvous`][comm_collectives.rendezvous] share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch.distributed as torch_dist
+
+from comm_core import CommTimeoutError, get_rank, get_world_size, is_distributed
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+__all__ = ["check_timeout", "default_store", "post_and_wait", "rendezvous"]
+
+_SOON_S = 0.05  # how long the keys are checked before the store's own wait
+_POLL_S = 0.0002
+_LONGEST_S = 1e9  # a longer wait overflows the store's milliseconds: about 31 years is enough
+_ENCODING = "utf-8"
+
+
+def default_store() -> Store:
+    """The key-value store of the default process group."""
+    return torch_dist.distributed_c10d._get_default_store()
+
+
+def post_and_wait(
+    store: Store, keys: Sequence[str], mine: int, value: bytes, timeout: float
+) -> list[int]:
+    """Post ``value`` under ``keys[mine]``, wait up to ``timeout`` seconds for the others.
+
+    The ranks usually arrive together and a store's own wait can be coarse (torch's
+    FileStore rounds its deadline up to the next whole second), so the keys are first
+    checked every 0.2 ms for a few milliseconds; the store's bounded wait follows only when
+    a rank is late.
+
+    Returns:
+        The indices of the keys still missing at the deadline; empty when all arrived.
+
+    Raises:
+        Exception: Whatever the store raises when it cannot be reached.
+    """
+    start = time.monotonic()
+    store.set(keys[mine], value)  # type: ignore[arg-type]  # the stub says str; bytes work
+    soon = start + min(_SOON_S, timeout)
+    while not store.check(list(keys)):
+        if time.monotonic() > soon:
+            break
+        time.sleep(_POLL_S)
+    else:
+        return []
+    # at least 10 ms: a wait of 0 ms is the store's own default timeout, not "no wait"
+    remaining = min(_LONGEST_S, max(0.01, start + timeout - time.monotonic()))
+    try:
+        store.wait(list(keys), timedelta(seconds=remaining))
+    except Exception:  # the store's timeout: a RuntimeError or DistStoreError, say which keys
+        return [index for index, key in enumerate(keys) if not store.check([key])]
+    return []
+
+
+def rendezvous(
+    key: str,
+    value: str,
+    *,
+    timeout: float,
+    group: torch_dist.ProcessGroup | None = None,
+    withdraw_on_timeout: bool = False,
+) -> list[str]:
+    """Exchange one small string between the ranks of ``group``, within ``timeout`` seconds.
+
+    Each rank posts ``value`` under ``f"{key}/{rank}"`` (its rank in ``group``) in the
+    default group's key-value store and waits for the keys of the other ranks of
+    ``group``. No tensor moves and no device is synchronised, so it works under gloo and
+    nccl, and it is the step to start a collective operation with when a rank that calls
+    it alone must get an error instead of waiting forever. Strings that are not valid
+    UTF-8 (paths read from a filesystem) round-trip. Every rank of ``group`` must make the
+    call with the same ``key``; a key names one exchange (the store keeps the values until
+    the job ends), so a call made again needs a new key, with a counter or a step in it.
+
+    Args:
+        key: The name of this exchange, the same on every rank, new for each exchange.
+        value: This rank's string.
+        timeout: How long to wait for the other ranks, in seconds (positive, finite).
+        group: The ranks that take part; the default group when None.
+        withdraw_on_timeout: Delete this rank's key before raising the timeout, so a call
+            made by one rank alone leaves nothing behind that a later call with the same
+            key could take for its partner.
+
+    Returns:
+        Every rank's value, index = rank in ``group``; ``[value]`` without a process group
+        or in a group of one.
+
+    Raises:
+        TypeError: ``key`` or ``value`` is not a string.
+        ValueError: ``timeout`` is not a positive, finite number of seconds.
+        CommTimeoutError: Some rank did not post within ``timeout``; its ``missing``
+            attribute lists those ranks (in ``group``).
+
+    Examples:
+        >>> import comm_collectives as dist
+        >>> dist.rendezvous("checkpoint/7/folder", "/tmp/step-7", timeout=30.0)
+        ['/tmp/step-7']
+    """
+    for name, given in (("key", key), ("value", value)):
+        if not isinstance(given, str):
+            message = f"rendezvous: {name} must be a str, got {type(given).__name__}"
+            raise TypeError(message)
+    check_timeout("rendezvous", timeout)
+    world = get_world_size(group) if is_distributed() else 1
+    if world == 1:
+        return [value]
+    me = get_rank(group)
+    keys = [f"{key}/{rank}" for rank in range(world)]
+    store = default_store()
+    # surrogateescape: a path read from the filesystem may hold bytes that are not UTF-8
+    missing = post_and_wait(store, keys, me, value.encode(_ENCODING, "surrogateescape"), timeout)
+    if missing:
+        if withdraw_on_timeout:
+            _withdraw(store, keys[me])
+        message = (
+            f"rendezvous {key!r} on rank {me} of {world}: rank(s) "
+            f"{', '.join(map(str, missing))} did not post within {timeout:g} s. Every rank of "
+            "the group must call rendezvous with this key (it is collective): call it on all "
+            "ranks, not under `if rank == 0`. If the other ranks are only slow, raise the "
+            "timeout."
+        )
+        error = CommTimeoutError(message)
+        error.missing = missing  # type: ignore[attr-defined]
+        raise error
+    return [bytes(store.get(k)).decode(_ENCODING, "surrogateescape") for k in keys]
+
+
+def _withdraw(store: Store, key: str) -> None:
+    """Delete ``key``; a store without deletion keeps it (a late rank then finds it)."""
+    with contextlib.suppress(Exception):  # best effort: the timeout is what is raised
+        store.delete_key(key)
+
+
+def check_timeout(operation: str, timeout: float) -> None:
+    """Raise a ValueError naming ``timeout`` unless it is a positive, finite number."""
+    ok = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+    if not ok or not 0.0 < float(timeout) < math.inf:
+        message = (
+            f"{operation}: timeout must be a positive, finite number of seconds, got "
+            f"{timeout!r}; pass a large number (86400: a day) to wait long"
+        )
+        raise ValueError(message)

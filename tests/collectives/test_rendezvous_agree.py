@@ -1,0 +1,95 @@
+"""The public every-rank steps: rendezvous (a bounded exchange of strings through the store)
+and agree (every rank raises when any rank failed), on real gloo worlds."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Any
+
+import pytest
+
+import comm_collectives as dist
+from comm_core.testing import WorldPool
+
+from . import rendezvous_agree_cases as cases
+
+# A FileStore (the test kit's store) ends its wait on a whole second: up to 1 s late.
+STORE_SLACK_S = 1.5
+
+
+def test_rendezvous_returns_every_ranks_value_by_rank(comm_run_distributed: Any) -> None:
+    key = f"test/{uuid.uuid4().hex}"
+    for rank, r in enumerate(comm_run_distributed(cases.rendezvous_values, key, world_size=3)):
+        assert r["plain"] == ["rank 0 ", "rank 1 rank 1 ", "rank 2 rank 2 rank 2 "]
+        assert r["bytes"] == [b"/data/caf\xe9-0", b"/data/caf\xe9-1", b"/data/caf\xe9-2"]
+        if rank in (0, 2):
+            assert r["ends"] == ["end 0", "end 2"]  # index = rank in the group
+        else:
+            assert "ends" not in r
+
+
+@pytest.mark.parametrize("withdraw", [False, True])
+def test_a_rank_that_does_not_call_rendezvous_is_named_within_the_timeout(
+    comm_run_distributed: Any, withdraw: bool
+) -> None:
+    key = f"test/{uuid.uuid4().hex}"
+    timeout = 1.0
+    results = comm_run_distributed(cases.rendezvous_without_a_rank, key, timeout, withdraw)
+    r = results[0]
+    assert r["missing"] == [1]
+    assert timeout - 0.05 <= r["seconds"] < timeout + STORE_SLACK_S
+    assert "rank(s) 1 did not post within 1 s" in r["message"]
+    assert repr(key) in r["message"]
+    assert "Every rank of the group must call rendezvous" in r["message"]
+    assert "raise the timeout" in r["message"]
+    assert r["mine_left"] is (not withdraw)
+    assert results[1] == {}
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, math.inf, math.nan, "3"])
+def test_rendezvous_and_agree_reject_a_timeout_that_bounds_nothing(timeout: Any) -> None:
+    with pytest.raises(ValueError, match="rendezvous: timeout must be a positive, finite"):
+        dist.rendezvous("k", "v", timeout=timeout)
+    with pytest.raises(ValueError, match="agree: timeout must be a positive, finite"):
+        dist.agree("step", timeout=timeout)
+
+
+def test_rendezvous_and_agree_in_a_plain_process() -> None:
+    assert dist.rendezvous("k", "only me", timeout=1.0) == ["only me"]
+    dist.agree("step")
+    with pytest.raises(dist.RemoteRankError) as info:
+        dist.agree("step", KeyError("w"))
+    assert info.value.ranks == (0,)
+    with pytest.raises(TypeError, match="value must be a str, got bytes"):
+        dist.rendezvous("k", b"v", timeout=1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("side", [False, True], ids=["plain", "side-group"])
+def test_agree_raises_on_every_rank_naming_each_failed_rank(
+    comm_run_distributed: Any, side: bool
+) -> None:
+    for r in comm_run_distributed(cases.agree_outcomes, side, world_size=3):
+        for timeout in (None, 3.0):
+            assert r[f"none/{timeout}"] == "returned"
+            one = r[f"one/{timeout}"]
+            assert one["ranks"] == [1]
+            assert one["types"] == ["builtins.ValueError"]
+            assert one["messages"] == ["bad shard 1"]
+            assert one["text"].startswith("load failed on rank(s) 1;")
+            two = r[f"two/{timeout}"]
+            assert two["ranks"] == [0, 2]
+            assert two["types"] == ["builtins.OSError"] * 2
+            assert two["messages"] == ["disk full on 0", "disk full on 2"]
+        assert r["next"] is True
+
+
+def test_a_rank_that_never_calls_agree_makes_the_caller_time_out() -> None:
+    # its own world: the unanswered vote leaves the group's collectives out of step
+    with WorldPool(2, timeout=30.0) as pool:
+        results = pool.run(cases.agree_without_a_rank, 1.0)
+    r = results[0]
+    assert 0.95 <= r["seconds"] < 2.5, r
+    assert "agree at step 'write shards': rank 0 of 2 waited 1.0 s (timeout 1 s)" in r["message"]
+    assert "probably died or is stuck" in r["message"]
+    assert results[1] == {}
