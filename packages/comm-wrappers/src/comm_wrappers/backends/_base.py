@@ -1,0 +1,287 @@
+"""`Backend`: what the layers above ask of a prepared model, answered for a plain module.
+
+One adapter per backend (plain module here; DDP, FSDP1, FSDP2 and DeepSpeed in the modules
+beside this one), chosen once for a model by `backend_of`. Optimizer wrappers ask it for
+the gradient sync, clipping, scaler and autocast device; checkpoints for the state dicts,
+the natural format and the manifest's description. Nothing above it branches on the kind
+of model.
+
+Every backend but DeepSpeed goes through ``torch.distributed.checkpoint.state_dict``: one
+naming (the user module's names, no ``module.`` or FSDP prefixes) and optimizer state keyed
+by those names, whatever the wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import state_dict as dsd
+from torch.optim import Optimizer
+
+from comm_collectives import get_rank
+
+from .._registry import is_model_wrapper, module_device, unwrap_model
+from ._device import rank_device
+from ._state import describe_params, has_tensor_state, quiet_torch, to_cpu
+
+__all__ = ["Backend", "clip_norm", "new_grad_scaler"]
+
+
+class Backend:
+    """What a model's backend knows, asked by optimizers, strategies and checkpoints.
+
+    Get one with [`backend_of`][comm_wrappers.backends.backend_of], which decides the
+    backend once; callers may keep it for that model. This class serves a plain module;
+    the adapters of DDP, FSDP1, FSDP2 and DeepSpeed subclass it. Every method that moves
+    state is collective under a sharded backend: every rank calls it.
+
+    Attributes:
+        kind: ``"module"``, ``"ddp"``, ``"fsdp1"``, ``"fsdp2"`` or ``"deepspeed"`` (a
+            checkpoint manifest's ``wrapper``).
+        model: The model given to `backend_of`.
+        engine: The DeepSpeed engine, else None.
+
+    Examples:
+        >>> import torch
+        >>> from comm_wrappers.backends import backend_of
+        >>> backend = backend_of(torch.nn.Linear(2, 1))
+        >>> backend.kind, backend.format_for(None), sorted(backend.model_state(full=True))
+        ('module', 'full', ['bias', 'weight'])
+    """
+
+    kind: ClassVar[str] = "module"
+    # Whether the parameters are split across ranks: full states are then gathered (and
+    # scattered on load), and a full state on rank 0 only is a collective.
+    _shards: ClassVar[bool] = False
+
+    def __init__(self, model: nn.Module, engine: Any = None) -> None:
+        self.model = model
+        self.engine = engine
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(kind={self.kind!r}, model={type(self.model).__name__})"
+
+    def _target(self) -> nn.Module:
+        """The module torch's state-dict functions take: the user's, without wrappers."""
+        inner: nn.Module = unwrap_model(self.model)
+        return inner
+
+    # ------------------------------------------------------------------ the step
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Skip the gradient sync for one forward/backward (nothing to skip here).
+
+        Raises:
+            ValueError: DDP with ``static_graph=True`` (torch cannot skip its sync).
+        """
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(
+        self,
+        params: list[torch.Tensor],
+        *,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Clip gradients by the norm of the whole model; return that total norm.
+
+        Args:
+            params: The parameters whose gradients to clip (an optimizer's, with a grad).
+            max_norm: The largest total norm left.
+            norm_type: The norm's order.
+            error_if_nonfinite: Raise when the total norm is nan or inf.
+            foreach: torch's ``foreach`` implementation choice.
+
+        Raises:
+            RuntimeError: The total norm is not finite and ``error_if_nonfinite``; or the
+                parameters are FSDP1 shards but this adapter has not the FSDP model.
+        """
+        return clip_norm(
+            params,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )
+
+    def grad_scaler(self, device_type: str, **kwargs: Any) -> torch.amp.GradScaler:
+        """A gradient scaler for float16 on ``device_type`` (``GradScaler`` keywords)."""
+        return new_grad_scaler(device_type, sharded=False, **kwargs)
+
+    def compute_device(self) -> torch.device:
+        """Where the model computes (and autocast runs): its parameters' device.
+
+        A wrapper whose parameters rest on the CPU (FSDP's CPU offload) computes on this
+        rank's device (`rank_device`).
+        """
+        device = module_device(self.model)
+        if device.type == "cpu" and is_model_wrapper(self.model):
+            return rank_device()
+        return device
+
+    # ------------------------------------------------------------------ checkpoints
+    def format_for(self, sharded: bool | None) -> str:
+        """The checkpoint format: ``"full"``, ``"dcp"`` or ``"deepspeed"``.
+
+        Args:
+            sharded: The caller's choice; None: this backend's natural format (torch
+                distributed checkpoint for sharded models, full files otherwise).
+        """
+        natural = self._shards if sharded is None else sharded
+        return "dcp" if natural else "full"
+
+    def describe(self) -> dict[str, Any]:
+        """``{"wrapper": kind, "sharding": ..., "zero_stage": ...}`` for a manifest."""
+        return {"wrapper": self.kind, "sharding": None, "zero_stage": None}
+
+    def param_shapes(self) -> dict[str, list[Any]]:
+        """``{name: [shape, dtype]}`` of the full model's state, without gathering it."""
+        with quiet_torch():
+            state = dsd.get_model_state_dict(self._target())
+        return describe_params(state)
+
+    def _full_options(self, rank0_only: bool) -> dsd.StateDictOptions:
+        """Options for a full state dict; offloaded to rank 0's CPU where torch allows it."""
+        offload = rank0_only and self._shards and self._offload_works()
+        return dsd.StateDictOptions(full_state_dict=True, cpu_offload=offload)
+
+    def _offload_works(self) -> bool:
+        """Whether torch can gather a full state dict to rank 0's CPU for this model."""
+        return True
+
+    def _gather_to_rank0(self) -> dict[str, torch.Tensor] | None:
+        """The full model state on rank 0 at the cost of one model there, or None."""
+        return None
+
+    def model_state(self, *, full: bool, rank0_only: bool = False) -> dict[str, Any]:
+        """The model's state, by the user module's parameter names.
+
+        Args:
+            full: Full CPU tensors; else each rank's own shards (DTensor, ShardedTensor),
+                as torch distributed checkpoint saves them (full tensors when unsharded).
+            rank0_only: With ``full``, only rank 0 gets the state; the others ``{}``.
+        """
+        target = self._target()
+        with quiet_torch():
+            if not full:
+                return dict(dsd.get_model_state_dict(target))
+            if rank0_only and not self._shards and get_rank() != 0:
+                return {}  # nothing to gather: rank 0 holds the whole model
+            state = self._gather_to_rank0() if rank0_only else None
+            if state is None:
+                options = self._full_options(rank0_only)
+                state = to_cpu(dsd.get_model_state_dict(target, options=options))
+        return {} if rank0_only and get_rank() != 0 else dict(state)
+
+    def load_model_state(self, state: Mapping[str, Any], *, full: bool, strict: bool) -> None:
+        """Load a full (every rank passes it) or sharded model state into the model.
+
+        Args:
+            state: By the user module's names (see `model_state`).
+            full: ``state`` holds full tensors, the same on every rank.
+            strict: Every name of the model must be in ``state``, and no other.
+        """
+        # Unsharded models hold full tensors: nothing to distribute.
+        options = dsd.StateDictOptions(full_state_dict=full and self._shards, strict=strict)
+        with quiet_torch():
+            dsd.set_model_state_dict(self._target(), dict(state), options=options)
+
+    def optim_state(
+        self, optimizer: Optimizer, *, full: bool, rank0_only: bool = False
+    ) -> dict[str, Any]:
+        """One optimizer's state keyed by parameter names: full (CPU tensors) or sharded.
+
+        Args:
+            optimizer: A torch optimizer over this model's parameters.
+            full: Full CPU tensors; else each rank's own shards.
+            rank0_only: With ``full``, only rank 0 gets the state; the others ``{}``.
+
+        Raises:
+            ValueError: The state has no per-parameter form (see `optimizer_not_portable`).
+        """
+        reason = self.optimizer_not_portable()
+        if reason is not None:
+            raise ValueError(reason)
+        target = self._target()
+        with quiet_torch():
+            if not full:
+                return dict(dsd.get_optimizer_state_dict(target, optimizer))
+            if rank0_only and not self._shards and get_rank() != 0:
+                return {}
+            options = self._full_options(rank0_only)
+            state = to_cpu(dsd.get_optimizer_state_dict(target, optimizer, options=options))
+        return {} if rank0_only and get_rank() != 0 else dict(state)
+
+    def load_optim_state(
+        self, optimizer: Optimizer, state: Mapping[str, Any], *, full: bool
+    ) -> None:
+        """Load one optimizer's state keyed by parameter names (full or sharded).
+
+        Raises:
+            ValueError: The state has no per-parameter form (see `optimizer_not_portable`).
+        """
+        reason = self.optimizer_not_portable()
+        if reason is not None:
+            raise ValueError(reason)
+        # Unsharded models hold full tensors: nothing to distribute. torch's full path also
+        # needs one tensor state to find the device: without one there is nothing to shard.
+        full = full and self._shards and has_tensor_state(state)
+        options = dsd.StateDictOptions(full_state_dict=full)
+        with quiet_torch():
+            dsd.set_optimizer_state_dict(self._target(), optimizer, dict(state), options=options)
+
+    def optimizer_not_portable(self) -> str | None:
+        """None, or why the optimizer state has no per-parameter full form (DeepSpeed)."""
+        return None
+
+
+def clip_norm(
+    params: list[torch.Tensor],
+    *,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``nn.utils.clip_grad_norm_`` that refuses a rank's FSDP1 shard, and reduces DTensors.
+
+    FSDP2's gradients are DTensors: their norm is reduced across the mesh (its full
+    tensor). FSDP1's are flat shards: only the FSDP model's own ``clip_grad_norm_`` knows
+    the whole model's norm.
+    """
+    if any(getattr(p, "_fsdp_flattened", False) for p in params):
+        message = (
+            "clipping by norm under FSDP needs the model, to use the whole model's norm "
+            "instead of this rank's shard: run the forward inside "
+            "optim_wrapper.optim_context(model), with model the FSDP wrapper itself "
+            "(train_step does), before update_params"
+        )
+        raise RuntimeError(message)
+    norm = nn.utils.clip_grad_norm_(
+        params,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
+    )
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else norm
+
+
+def new_grad_scaler(device_type: str, *, sharded: bool, **kwargs: Any) -> torch.amp.GradScaler:
+    """``torch.amp.GradScaler``, or FSDP's ``ShardedGradScaler`` with ``sharded``.
+
+    The sharded one agrees across ranks on skipping a step: every rank skips it when any
+    rank's gradients overflowed.
+    """
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device_type, **kwargs)
+    return torch.amp.GradScaler(device_type, **kwargs)

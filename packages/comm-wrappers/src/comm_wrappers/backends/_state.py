@@ -1,0 +1,75 @@
+"""Helpers around torch's state-dict functions that every adapter shares."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["describe_params", "has_tensor_state", "quiet_torch", "to_cpu"]
+
+# What torch says on every FSDP1 sharded state dict and every DCP call without a group:
+# facts about torch's internals, not about the user's model.
+_TORCH_NOISE = (
+    "Please use DTensor instead",
+    "_get_pg_default_device",
+    "Multiple backends are registered",
+    "torch.distributed is disabled, unavailable or uninitialized",
+)
+
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    """Silence torch's internal deprecation chatter during state-dict and DCP calls."""
+    with warnings.catch_warnings():
+        for text in _TORCH_NOISE:
+            warnings.filterwarnings("ignore", message=f".*{text}")
+        yield
+
+
+def to_cpu(state: Any) -> Any:
+    """A nested state with every tensor copied to the CPU (full tensors for DTensors).
+
+    Always a copy, never a view of live parameters or optimizer state: a state taken now
+    keeps its values while training goes on (a background save).
+    """
+    if isinstance(state, torch.Tensor):
+        full = getattr(state, "full_tensor", None)
+        tensor = full() if callable(full) else state
+        out = tensor.detach().cpu()
+        if out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            out = out.clone()  # it was on the CPU already
+        return out
+    if isinstance(state, Mapping):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [to_cpu(value) for value in state]
+    if isinstance(state, tuple):
+        return tuple(to_cpu(value) for value in state)
+    return state
+
+
+def describe_params(state: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """``{name: [shape, dtype]}`` of a (full or sharded) model state; dtype without ``torch.``."""
+    out: dict[str, list[Any]] = {}
+    with quiet_torch():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = [list(value.shape), str(value.dtype).removeprefix("torch.")]
+    return out
+
+
+def has_tensor_state(state: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state holds one tensor with a dimension (a moment, a buffer).
+
+    torch's full optimizer-state path needs one to find the device; a momentum-less SGD
+    has none, and then there is nothing to shard either.
+    """
+    for values in dict(state.get("state", {})).values():
+        for value in dict(values).values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                return True
+    return False
