@@ -220,7 +220,9 @@ def other_models() -> dict[str, Any]:
     return {
         "separate_ddp": backend_of(MMSeparateDistributedDataParallel(Gan())).kind,
         "container_of_ddp": backend_of(nn.Sequential(MMDistributedDataParallel(make_net()))).kind,
-        "torch_fsdp1": backend_of(FullyShardedDataParallel(make_net(), device_id=torch.device("cpu"))).kind,
+        "torch_fsdp1": backend_of(
+            FullyShardedDataParallel(make_net(), device_id=torch.device("cpu"))
+        ).kind,
         "torch_fsdp2": backend_of(sharded).kind,
         "fsdp2_is_fsdp_module": isinstance(sharded, FSDPModule),
         "user_module_of_fsdp1": backend_of(user_module).kind,
