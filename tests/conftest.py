@@ -43,3 +43,10 @@ def nccl_world(request: pytest.FixtureRequest) -> Iterator[WorldPool]:
     """A world of nccl ranks, one per GPU, for the CUDA tests (they skip without CUDA)."""
     with WorldPool(request.param, backend="nccl", timeout=300.0) as pool:
         yield pool
+
+
+@pytest.fixture(scope="module")
+def cpu_gloo_world() -> Iterator[WorldPool]:
+    """A world of 3 ranks on the ``"cpu:gloo"`` backend string, one per test module."""
+    with WorldPool(3, backend="cpu:gloo", timeout=60) as pool:
+        yield pool

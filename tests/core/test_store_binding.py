@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ import comm_core as dist
 from comm_core import process_group
 from comm_core.launcher import LaunchEnv
 from comm_core.testing import launch
+from tests.helpers import free_port
 
 
 def _listening(port: int) -> list[str]:
@@ -49,15 +49,9 @@ def _init_with_env_rendezvous(port: int) -> dict[str, Any]:
                 os.environ[name] = value
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
 def test_a_one_host_store_listens_on_loopback_only() -> None:
-    results = launch(_init_with_env_rendezvous, _free_port(), nprocs=2, timeout=120)
+    results = launch(_init_with_env_rendezvous, free_port(), nprocs=2, timeout=120)
     assert [r["total"] for r in results] == [3, 3]
     # 0100007F is 127.0.0.1; torch's own store would listen on :: (all interfaces)
     assert results[0]["listening"] == ["0100007F"]

@@ -30,13 +30,14 @@ import importlib.util
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import free_port
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 MARKER = re.compile(r"^<!--\s*runnable(?::(?P<modes>[^>]*))?\s*-->\s*$")
@@ -152,12 +153,6 @@ def _missing_dependency(source: str) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _environment() -> dict[str, str]:
     env = {
         name: value
@@ -175,7 +170,7 @@ def _command(mode: str, script: str) -> list[str]:
         return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", script]
     return [
         *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
-        *("--master-addr", "127.0.0.1", "--master-port", str(_free_port()), script),
+        *("--master-addr", "127.0.0.1", "--master-port", str(free_port()), script),
     ]
 
 

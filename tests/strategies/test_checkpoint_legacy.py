@@ -23,6 +23,7 @@ import torch
 
 import comm_collectives as dist
 from comm_strategies.checkpoint import CheckpointError, load_checkpoint, read_manifest
+from tests.helpers import full_params
 
 from .legacy import model as m
 
@@ -69,7 +70,7 @@ def load_layouts(root: str, cases: list[tuple[str, str, dict[str, Any]]]) -> dic
     out = {}
     for layout, target, options in cases:
         model, optim, scheduler = m.build(target, seed=123)
-        result: dict[str, Any] = {"fresh": _lists(m.full_params(model))}
+        result: dict[str, Any] = {"fresh": _lists(full_params(model))}
         torch.manual_seed(99)  # the load must bring the saved RNG state back
         random.seed(99)
         result["extra"] = load_checkpoint(
@@ -80,7 +81,7 @@ def load_layouts(root: str, cases: list[tuple[str, str, dict[str, Any]]]) -> dic
             **options,
         )
         result["draws"] = (torch.rand(3).tolist(), random.random())
-        result["params"] = _lists(m.full_params(model))
+        result["params"] = _lists(full_params(model))
         result["scheduler"] = m.scheduler_state(scheduler)
         result["last_lr"] = scheduler.get_last_lr()
         if options.get("load_optimizer", True):
@@ -88,7 +89,7 @@ def load_layouts(root: str, cases: list[tuple[str, str, dict[str, Any]]]) -> dic
             if target == "amp_fp16":
                 result["scaler"] = optim.loss_scaler.state_dict()
             m.train_step(model, optim, scheduler, m.STEPS)
-            result["params_next"] = _lists(m.full_params(model))
+            result["params_next"] = _lists(full_params(model))
         out[layout] = result
     return out
 

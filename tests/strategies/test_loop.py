@@ -7,13 +7,14 @@ import importlib.util
 import io
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = ROOT / "examples" / "train_loop.py"
@@ -40,12 +41,6 @@ def run_loop_in_world(strategies: list[str]) -> dict[str, list[float]]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run_script(strategy: str, nproc: int) -> list[float]:
     args = [str(LOOP), "--strategy", strategy, "--steps", STEPS]
     if nproc == 1:
@@ -53,7 +48,7 @@ def _run_script(strategy: str, nproc: int) -> list[float]:
     else:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args,
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args,
         ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 
+import comm_collectives as dist
 import comm_wrappers
 from comm_collectives import NotInitializedError
 from comm_wrappers import (
@@ -20,14 +23,67 @@ from comm_wrappers import (
     MMSeparateDistributedDataParallel,
     OptimWrapper,
     OptimWrapperDict,
+    is_model_wrapper,
     parse_losses,
+    unwrap_model,
 )
+from tests.helpers import caught, full_params
 
-from . import cases
+from .net import BATCH, Gan, Net, batch, make_net, make_optimizer, wrap
+
+
+class NoMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.lin(inputs)
+
+
+def bad_inputs() -> dict[str, Any]:
+    """Each bad option or model gives an error that says what is valid and how to fix it."""
+    policy = {"type": "size_based_auto_wrap_policy", "min_num_params": 10}
+    mixed = {"param_dtype": "bfloat16"}
+    out: dict[str, Any] = {
+        "strategy": caught(lambda: wrap("fsdp", sharding_strategy="FULL_SHARDED")),
+        "prefetch": caught(lambda: wrap("fsdp", backward_prefetch="PRE")),
+        "policy": caught(lambda: wrap("fsdp", auto_wrap_policy={"type": "size_policy"})),
+        "policy_class": caught(lambda: wrap("fsdp", auto_wrap_policy="Block")),
+        "mixed": caught(lambda: wrap("fsdp", mixed_precision={"param_dtype": "bf17"})),
+        "mixed2_buffer": caught(
+            lambda: wrap("fsdp2", mixed_precision={"buffer_dtype": "bfloat16"})
+        ),
+        "init_fn": caught(lambda: wrap("fsdp", param_init_fn="no_such_init")),
+        "ignored": caught(lambda: wrap("fsdp", ignored_modules=["nope"])),
+        "clip": caught(
+            lambda: OptimWrapper(
+                make_optimizer(make_net().parameters(), "sgd"), clip_grad={"type": "l2"}
+            )
+        ),
+    }
+    # The accepted forms work and the caller's dicts are left as they were.
+    fsdp = wrap("fsdp", auto_wrap_policy=policy, mixed_precision=mixed, cpu_offload=False)
+    fsdp2 = wrap("fsdp2", auto_wrap_policy=["Linear"], mixed_precision=mixed)
+    out["configs_untouched"] = policy == {
+        "type": "size_based_auto_wrap_policy",
+        "min_num_params": 10,
+    } and mixed == {"param_dtype": "bfloat16"}
+    out["fsdp_units"] = sum(isinstance(m, FullyShardedDataParallel) for m in fsdp.modules())
+    from torch.distributed.fsdp import FSDPModule
+
+    out["fsdp2_units"] = sum(isinstance(m, FSDPModule) for m in fsdp2.modules())
+    no_mode = MMDistributedDataParallel(NoMode())
+    wrapper = OptimWrapper(torch.optim.SGD(no_mode.parameters(), lr=0.1))
+    out["no_mode"] = caught(lambda: no_mode.train_step((torch.ones(1, 2),), wrapper))
+    adapted = MMDistributedDataParallel(LossModel(NoMode(), nn.MSELoss()))
+    wrapper = OptimWrapper(torch.optim.SGD(adapted.parameters(), lr=0.1))
+    out["adapted"] = sorted(adapted.train_step((torch.ones(1, 2), torch.zeros(1, 1)), wrapper))
+    return out
 
 
 def test_bad_options_say_what_is_valid(comm_run_distributed: Any) -> None:
-    for r in comm_run_distributed(cases.bad_inputs):
+    for r in comm_run_distributed(bad_inputs):
         assert r["strategy"][0] == "ValueError"
         assert "FULL_SHARD, HYBRID_SHARD, NO_SHARD, SHARD_GRAD_OP" in r["strategy"][1]
         assert "got 'FULL_SHARDED'" in r["strategy"][1]
@@ -52,15 +108,57 @@ def test_bad_options_say_what_is_valid(comm_run_distributed: Any) -> None:
         assert r["adapted"] == ["loss"]
 
 
+class PartlyUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(2, 1)
+        self.unused = nn.Linear(2, 1)
+
+    def forward(self, inputs: torch.Tensor, mode: str = "tensor") -> Any:
+        out = self.used(inputs)
+        return {"loss": out.sum()} if mode == "loss" else out
+
+
+def anomalous_params() -> list[str]:
+    model = MMDistributedDataParallel(
+        PartlyUsed(), detect_anomalous_params=True, find_unused_parameters=True
+    )
+    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.train_step((torch.ones(1, 2),), wrapper)
+    return [str(w.message) for w in caught if "took no part" in str(w.message)]
+
+
 def test_detect_anomalous_params_names_every_unused_parameter(comm_run_distributed: Any) -> None:
-    for messages in comm_run_distributed(cases.anomalous_params):
+    for messages in comm_run_distributed(anomalous_params):
         assert len(messages) == 1
         assert "2 parameter(s)" in messages[0]
         assert "unused.weight, unused.bias" in messages[0]
 
 
+def registry_builtins() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    net = make_net()
+    ddp = nn.parallel.DistributedDataParallel(net)
+    # torch's default mesh is on the machine's accelerator: a gloo world needs a CPU one
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sharded = fully_shard(make_net(), mesh=mesh)
+    fsdp1 = FullyShardedDataParallel(make_net(), device_id=torch.device("cpu"))
+    ours = MMFullyShardedDataParallel2(make_net())
+    return {
+        "ddp": (is_model_wrapper(ddp), unwrap_model(ddp) is net),
+        "fsdp1": (is_model_wrapper(fsdp1), type(unwrap_model(fsdp1)).__name__),
+        "fsdp2": (is_model_wrapper(sharded), unwrap_model(sharded) is sharded),
+        "ours2": (is_model_wrapper(ours), unwrap_model(ours) is ours.module),
+        "plain": is_model_wrapper(net),
+    }
+
+
 def test_registry_knows_torch_and_our_wrappers(comm_run_distributed: Any) -> None:
-    for r in comm_run_distributed(cases.registry_builtins):
+    for r in comm_run_distributed(registry_builtins):
         assert r == {
             "ddp": (True, True),
             "fsdp1": (True, "Net"),
@@ -70,8 +168,25 @@ def test_registry_knows_torch_and_our_wrappers(comm_run_distributed: Any) -> Non
         }
 
 
+def param_init_fn_dict() -> dict[str, Any]:
+    """A model built on the meta device, materialised by ``param_init_fn=dict(type=...)``."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = Net()
+    spec = {"type": "reset_parameters", "device": "cpu"}
+    original = copy.deepcopy(spec)
+    model = MMFullyShardedDataParallel(net, param_init_fn=spec)
+    full = full_params(model)
+    gathered = dist.all_gather_object({k: v.sum().item() for k, v in full.items()})
+    return {
+        "devices": sorted({str(p.device) for p in model.parameters()}),
+        "same_on_ranks": all(g == gathered[0] for g in gathered),
+        "untouched": spec == original,
+    }
+
+
 def test_param_init_fn_as_a_dict_materialises_a_meta_model(comm_run_distributed: Any) -> None:
-    for r in comm_run_distributed(cases.param_init_fn_dict):
+    for r in comm_run_distributed(param_init_fn_dict):
         assert r == {"devices": ["cpu"], "same_on_ranks": True, "untouched": True}
 
 
@@ -87,7 +202,7 @@ def test_param_init_fn_as_a_dict_materialises_a_meta_model(comm_run_distributed:
 )
 def test_wrapping_without_a_process_group_says_to_call_init_dist(wrapper: Any) -> None:
     with pytest.raises(NotInitializedError, match=r"Call comm_collectives.init_dist\('pytorch'\)"):
-        wrapper(cases.make_net())
+        wrapper(make_net())
 
 
 def test_register_model_wrapper_for_a_third_party_wrapper() -> None:
@@ -257,8 +372,14 @@ def test_loss_model_adapter() -> None:
         model(torch.ones(1, 2), mode="train")
 
 
+def doctor_check() -> list[tuple[str, bool, str]]:
+    from comm_wrappers.doctor import check
+
+    return [(r.name, r.ok, r.detail) for r in check()]
+
+
 def test_doctor_check_runs_one_ddp_step(comm_run_distributed: Any) -> None:
-    for results in comm_run_distributed(cases.doctor_check, world_size=3):
+    for results in comm_run_distributed(doctor_check, world_size=3):
         (name, ok, detail), deepspeed_row = results
         assert (name, ok) == ("ddp train_step", True), detail
         assert deepspeed_row[0] == "deepspeed"
@@ -285,17 +406,63 @@ def test_deepspeed_module_without_deepspeed_says_how_to_install() -> None:
         import comm_wrappers.deepspeed  # noqa: F401
 
 
+def fsdp1_clip_without_the_model() -> tuple[str, str] | None:
+    """update_params outside optim_context under FSDP1: clipping by norm refuses the shard."""
+    model = wrap("fsdp")
+    wrapper = OptimWrapper(
+        make_optimizer(model.parameters(), "sgd"), clip_grad={"type": "norm", "max_norm": 0.1}
+    )
+    inputs, targets = batch(0, 0, dist.get_rank())
+    loss = model(inputs, targets, mode="loss")["loss"]
+    return caught(lambda: wrapper.update_params(loss))
+
+
 def test_fsdp1_clipping_without_the_model_raises(comm_run_distributed: Any) -> None:
-    for name, message in comm_run_distributed(cases.fsdp1_clip_without_the_model):
+    for name, message in comm_run_distributed(fsdp1_clip_without_the_model):
         assert name == "RuntimeError"
         assert "instead of this rank's shard" in message
         assert "optim_wrapper.optim_context(model)" in message
 
 
+class Overflowing(nn.Module):
+    """Rank 0's gradient of ``a`` overflows in float16; ``rest`` is finite everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Parameter(torch.ones(4))
+        self.rest = nn.Linear(16, 16)
+
+    def forward(self, inputs: torch.Tensor, big: torch.Tensor, mode: str = "tensor") -> Any:
+        return {"loss": (self.a * big).sum() + self.rest(inputs).float().pow(2).mean()}
+
+
+def fp16_overflow_on_one_rank_under_fsdp1() -> dict[str, Any]:
+    """Every rank skips the step and lowers the scale, with or without use_fsdp."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    out = {}
+    big = torch.tensor(1e35 if dist.get_rank() == 0 else 1.0)
+    for use_fsdp in (False, True):
+        model = MMFullyShardedDataParallel(Overflowing())
+        wrapper = AmpOptimWrapper(
+            torch.optim.SGD(model.parameters(), lr=0.1), dtype="float16", use_fsdp=use_fsdp
+        )
+        before = full_params(model)
+        model.train_step((torch.ones(2, 16), big), wrapper)
+        after = full_params(model)
+        out[use_fsdp] = {
+            "sharded": isinstance(wrapper.loss_scaler, ShardedGradScaler),
+            "scale": float(wrapper.loss_scaler.get_scale()),
+            "stepped": bool((before["rest.weight"] != after["rest.weight"]).any()),
+        }
+    return out
+
+
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_fsdp1(
     comm_run_distributed: Any,
 ) -> None:
-    results = comm_run_distributed(cases.fp16_overflow_on_one_rank_under_fsdp1)
+    results = comm_run_distributed(fp16_overflow_on_one_rank_under_fsdp1)
     for use_fsdp in (False, True):
         states = [r[use_fsdp] for r in results]
         # Without use_fsdp the scaler is switched to FSDP's sharded one at the first step.
@@ -304,24 +471,138 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_fsdp1(
         assert not any(s["stepped"] for s in states)
 
 
-def test_review_regressions(comm_run_distributed: Any) -> None:
-    for r in comm_run_distributed(cases.review_errors):
-        # The policy picks lin1 and lin2 (8 outputs each), plus the root.
-        assert r["custom1"] == 3
-        assert r["custom2"] == 3
-        assert r["static"][0] == "ValueError"
-        assert "static_graph=True cannot skip the gradient sync" in r["static"][1]
-        assert r["inner"][0] == "RuntimeError"
-        assert "pass the FSDP wrapper itself" in r["inner"][1]
-        assert r["nonfinite"][0] == "RuntimeError"
-        assert "(not finite) and clip_grad has error_if_nonfinite=True" in r["nonfinite"][1]
-        assert r["own_param"][0] == "ValueError"
-        assert "holds trainable parameters itself (scale)" in r["own_param"][1]
-        assert r["no_train_step"][0] == "AttributeError"
-        assert "Gan has none: define val_step" in r["no_train_step"][1]
-        assert r["fsdp2_strategy"][0] == "TypeError"
-        assert "no 'sharding_strategy': reshard_after_forward=True" in r["fsdp2_strategy"][1]
-        assert r["mp_ignore"] == "MMFullyShardedDataParallel"
+def custom_policy_units() -> tuple[int, int]:
+    """FSDP units made under torch's CustomPolicy picking the Linear layers of 8 outputs."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    policy = CustomPolicy(lambda module: isinstance(module, nn.Linear) and module.out_features == 8)
+    fsdp1 = wrap("fsdp", auto_wrap_policy=policy)
+    fsdp2 = wrap("fsdp2", auto_wrap_policy=policy)
+    return (
+        sum(isinstance(m, FullyShardedDataParallel) for m in fsdp1.modules()),
+        sum(isinstance(m, FSDPModule) for m in fsdp2.modules()),
+    )
+
+
+def test_a_custom_wrap_policy_makes_a_unit_of_each_module_it_picks(
+    comm_run_distributed: Any,
+) -> None:
+    for units in comm_run_distributed(custom_policy_units):
+        # The policy picks lin1 and lin2 (8 outputs each), plus the root: under FSDP1 and FSDP2.
+        assert units == (3, 3)
+
+
+def accumulate_under_a_static_graph() -> tuple[str, str]:
+    model = MMDistributedDataParallel(make_net(), static_graph=True)
+    wrapper = OptimWrapper(make_optimizer(model.parameters(), "sgd"), accumulative_counts=2)
+    return caught(model.train_step, batch(0, 0, 0), wrapper)
+
+
+def test_ddp_with_a_static_graph_refuses_to_skip_the_gradient_sync(
+    comm_run_distributed: Any,
+) -> None:
+    for name, message in comm_run_distributed(accumulate_under_a_static_graph):
+        assert name == "ValueError"
+        assert "static_graph=True cannot skip the gradient sync" in message
+
+
+def clip_with_the_inner_module_in_optim_context() -> tuple[str, str]:
+    """Clipping by norm under FSDP1 when optim_context is given the user's module."""
+    model = wrap("fsdp", auto_wrap_policy=["Linear"])
+    wrapper = OptimWrapper(make_optimizer(model.parameters(), "sgd"), clip_grad={"max_norm": 0.1})
+    inputs, targets = batch(0, 0, dist.get_rank())
+    with wrapper.optim_context(model):  # the first forward decides the root
+        model(inputs, targets, mode="loss")["loss"].backward()
+    wrapper.zero_grad()
+
+    def step_with_inner_module() -> None:
+        with wrapper.optim_context(unwrap_model(model)):
+            loss = model(inputs, targets, mode="loss")["loss"]
+        wrapper.update_params(loss)
+
+    return caught(step_with_inner_module)
+
+
+def test_fsdp1_clipping_given_the_inner_module_says_to_pass_the_wrapper(
+    comm_run_distributed: Any,
+) -> None:
+    for name, message in comm_run_distributed(clip_with_the_inner_module_in_optim_context):
+        assert name == "RuntimeError"
+        assert "pass the FSDP wrapper itself" in message
+
+
+def clip_a_nonfinite_norm() -> tuple[str, str]:
+    """A NaN batch under FSDP1 with ``error_if_nonfinite=True`` clipping."""
+    model = wrap("fsdp")
+    wrapper = OptimWrapper(
+        make_optimizer(model.parameters(), "sgd"),
+        clip_grad={"max_norm": 0.1, "error_if_nonfinite": True},
+    )
+    _, targets = batch(0, 0, dist.get_rank())
+    nan_batch = (torch.full((BATCH, 4), float("nan")), targets)
+    return caught(model.train_step, nan_batch, wrapper)
+
+
+def test_fsdp1_clipping_a_nonfinite_norm_raises_under_error_if_nonfinite(
+    comm_run_distributed: Any,
+) -> None:
+    for name, message in comm_run_distributed(clip_a_nonfinite_norm):
+        assert name == "RuntimeError"
+        assert "(not finite) and clip_grad has error_if_nonfinite=True" in message
+
+
+class WithOwnParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.child = nn.Linear(2, 2)
+
+
+def separate_ddp_of_a_module_with_its_own_parameter() -> tuple[str, str]:
+    return caught(MMSeparateDistributedDataParallel, WithOwnParameter())
+
+
+def test_separate_ddp_refuses_a_module_that_holds_parameters_itself(
+    comm_run_distributed: Any,
+) -> None:
+    for name, message in comm_run_distributed(separate_ddp_of_a_module_with_its_own_parameter):
+        assert name == "ValueError"
+        assert "holds trainable parameters itself (scale)" in message
+
+
+def separate_ddp_val_step_without_the_modules_own() -> tuple[str, str]:
+    return caught(lambda: MMSeparateDistributedDataParallel(Gan()).val_step(None))
+
+
+def test_separate_ddp_val_step_says_to_define_it_on_the_module(comm_run_distributed: Any) -> None:
+    for name, message in comm_run_distributed(separate_ddp_val_step_without_the_modules_own):
+        assert name == "AttributeError"
+        assert "Gan has none: define val_step" in message
+
+
+def fsdp2_given_a_sharding_strategy() -> tuple[str, str]:
+    return caught(wrap, "fsdp2", sharding_strategy="FULL_SHARD")
+
+
+def test_fsdp2_refuses_sharding_strategy_and_names_its_own_option(
+    comm_run_distributed: Any,
+) -> None:
+    for name, message in comm_run_distributed(fsdp2_given_a_sharding_strategy):
+        assert name == "TypeError"
+        assert "no 'sharding_strategy': reshard_after_forward=True" in message
+
+
+def fsdp1_with_module_classes_to_ignore() -> str:
+    mixed = {"_module_classes_to_ignore": (nn.BatchNorm1d,)}
+    return type(wrap("fsdp", mixed_precision=mixed)).__name__
+
+
+def test_fsdp1_mixed_precision_takes_torchs_module_classes_to_ignore(
+    comm_run_distributed: Any,
+) -> None:
+    names = comm_run_distributed(fsdp1_with_module_classes_to_ignore)
+    assert names == ["MMFullyShardedDataParallel", "MMFullyShardedDataParallel"]
 
 
 def test_unwrap_model_of_a_compiled_module() -> None:

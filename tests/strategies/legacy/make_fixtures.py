@@ -26,6 +26,7 @@ import comm_collectives as dist
 from comm_core.testing import WorldPool
 from comm_strategies.checkpoint import save_checkpoint
 from comm_strategies.checkpoint._manifest import FORMAT_VERSION
+from tests.helpers import full_params
 
 from . import model as m
 
@@ -55,7 +56,7 @@ def save_layout(root: str, kind: str, scratch: str) -> None:
     )
     reference: dict[str, Any] = {
         "draws": (torch.rand(3), random.random()),  # after the save: what its RNG state gives
-        "params": m.full_params(model),
+        "params": full_params(model),
         "moments": m.moments(model, optim),
         "scheduler": m.scheduler_state(scheduler),
         "last_lr": scheduler.get_last_lr(),
@@ -64,7 +65,7 @@ def save_layout(root: str, kind: str, scratch: str) -> None:
     if kind == "amp_fp16":
         reference["scaler"] = optim.loss_scaler.state_dict()
     m.train_step(model, optim, scheduler, m.STEPS)
-    reference["params_next"] = m.full_params(model)  # one more step: what a resume gives
+    reference["params_next"] = full_params(model)  # one more step: what a resume gives
     torch.save(reference, f"{scratch}/{kind}_{dist.get_rank()}.pt")
 
 

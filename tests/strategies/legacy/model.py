@@ -1,4 +1,4 @@
-"""The model, data and independent readers shared by the legacy fixtures and their test.
+"""The model, data and optimizer-state reader shared by the legacy fixtures and their test.
 
 Only torch, DeepSpeed and the public constructors of comm-wrappers are used here, so the
 generator (``make_fixtures.py``, run with the code of the commit it keeps) and the test
@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-from torch.distributed.fsdp import FullyShardedDataParallel
 
 from comm_wrappers import (
     AmpOptimWrapper,
@@ -20,7 +19,6 @@ from comm_wrappers import (
     MMFullyShardedDataParallel,
     MMFullyShardedDataParallel2,
     OptimWrapper,
-    unwrap_model,
 )
 
 BATCH = 4
@@ -115,28 +113,6 @@ def train_step(model: Any, optim: Any, scheduler: Any, step: int) -> None:
 def _engine(model: Any) -> Any:
     engine = getattr(model, "model", None)
     return engine if hasattr(engine, "zero_optimization_stage") else None
-
-
-def full_params(model: Any) -> dict[str, torch.Tensor]:
-    """Full parameters by the user's names, gathered with torch's and DeepSpeed's own calls."""
-    engine = _engine(model)
-    if engine is not None:
-        import deepspeed
-
-        module = engine.module
-        with deepspeed.zero.GatheredParameters(list(module.parameters())):
-            return {n: p.detach().float().clone() for n, p in module.named_parameters()}
-    if isinstance(model, FullyShardedDataParallel):
-        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
-            return {
-                n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
-                for n, p in model.named_parameters()
-            }
-    out = {}
-    for name, param in unwrap_model(model).named_parameters():
-        full = getattr(param, "full_tensor", None)
-        out[name] = (full() if callable(full) else param).detach().clone()
-    return out
 
 
 def moments(model: Any, optim: Any) -> dict[str, dict[str, torch.Tensor]] | None:
