@@ -18,16 +18,9 @@ import torch
 
 import comm_collectives as dist
 from comm_core import CollectiveMismatchError, RemoteRankError
+from tests.helpers import caught
 
 Point = namedtuple("Point", ["x", "y"])
-
-
-def _caught(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return type(exc).__name__, str(exc)
-    return "", ""
 
 
 def all_reduce_ops() -> dict[str, Any]:
@@ -41,12 +34,12 @@ def all_reduce_ops() -> dict[str, Any]:
     dist.all_reduce(ints, op="mean")
     out["int_mean"] = (ints.tolist(), str(ints.dtype))
     inexact = torch.tensor([rank, 7], dtype=torch.int64)
-    out["int_mean_inexact"] = _caught(dist.all_reduce, inexact, op="mean")
+    out["int_mean_inexact"] = caught(dist.all_reduce, inexact, op="mean")
     out["int_mean_inexact_untouched"] = inexact.tolist()
     flags = torch.tensor([rank == 0, True])
     dist.all_reduce(flags, op="max")
     out["bool_max"] = flags.tolist()
-    out["bad_op"] = _caught(dist.all_reduce, torch.ones(1), op="avg")
+    out["bad_op"] = caught(dist.all_reduce, torch.ones(1), op="avg")
     group = torch.distributed.new_group([0, 1])
     if rank in (0, 1):
         g = torch.tensor([10.0 * (rank + 1)])
@@ -69,7 +62,7 @@ def all_gather_shapes() -> dict[str, Any]:
         "scalar": [p.item() for p in scalar],
         "ragged_ndim": [tuple(p.shape) for p in ragged_ndim],
         "empty": [tuple(p.shape) for p in empty],
-        "dtype_mismatch": _caught(
+        "dtype_mismatch": caught(
             dist.all_gather, torch.ones(1, dtype=torch.float32 if rank else torch.float64)
         ),
     }
@@ -86,8 +79,8 @@ def broadcast_cases() -> dict[str, Any]:
     world = dist.get_world_size()
     t = torch.full((3,), float(rank))
     dist.broadcast(t, src=world - 1)
-    shape = _caught(dist.broadcast, torch.zeros(rank + 1), src=0)
-    bad_src = _caught(dist.broadcast, torch.zeros(1), src=world)
+    shape = caught(dist.broadcast, torch.zeros(rank + 1), src=0)
+    bad_src = caught(dist.broadcast, torch.zeros(1), src=world)
     return {"value": t.tolist(), "shape_mismatch": shape, "bad_src": bad_src}
 
 
@@ -128,8 +121,8 @@ def object_cases() -> dict[str, Any]:
         [{"from": rank, "arr": np.arange(4) * rank}, None, "tail"] if rank == 1 else [0, 0, 0]
     )
     dist.broadcast_object_list(items, src=1)
-    unpicklable = _caught(dist.all_gather_object, Unpicklable() if rank == world - 1 else rank)
-    unpicklable_src = _caught(dist.broadcast_object_list, [Unpicklable()], src=0)
+    unpicklable = caught(dist.all_gather_object, Unpicklable() if rank == world - 1 else rank)
+    unpicklable_src = caught(dist.broadcast_object_list, [Unpicklable()], src=0)
 
     def describe(o: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -166,13 +159,13 @@ def reduce_dict_cases() -> dict[str, Any]:
     mean = {"even": torch.tensor([2 * rank], dtype=torch.int32), "f": torch.tensor([1.0 * rank])}
     dist.all_reduce_dict(mean, op="mean")
     keys = {"a": torch.ones(1), f"only_{rank}": torch.ones(1)}
-    key_error = _caught(dist.all_reduce_dict, keys)
-    not_tensor = _caught(dist.all_reduce_dict, {"a": 1.0 if rank == 0 else torch.ones(1)})
+    key_error = caught(dist.all_reduce_dict, keys)
+    not_tensor = caught(dist.all_reduce_dict, {"a": 1.0 if rank == 0 else torch.ones(1)})
     scalars = {f"m{i}": torch.tensor(float(i * (rank + 1))) for i in range(5)}
     dist.all_reduce_dict(scalars, op="max")
     # the int mean is 1 / W: not exact, so nothing is replaced, not even the float key
     atomic = {"f": torch.tensor([1.0 * rank]), "i": torch.tensor([1 if rank == 0 else 0])}
-    atomic_error = _caught(dist.all_reduce_dict, atomic, op="mean")
+    atomic_error = caught(dist.all_reduce_dict, atomic, op="mean")
     return {
         "summed": summed,
         "mean": {k: v.tolist() for k, v in mean.items()},
@@ -235,7 +228,7 @@ def collect_not_sampler_shaped() -> list[Any] | None:
 def collect_error_case() -> tuple[str, str]:
     rank = dist.get_rank()
     results: list[Any] = [Unpicklable()] if rank == 1 else [rank]
-    return _caught(dist.collect_results, results, 4)
+    return caught(dist.collect_results, results, 4)
 
 
 def _refuse_to_load() -> None:
@@ -256,7 +249,7 @@ def collect_load_failure_case(root: str | None) -> dict[str, Any]:
     rank = dist.get_rank()
     tmpdir = os.path.join(root, "parts") if root else None
     parts: dict[int, list[Any]] = {0: [0], 1: [FailsToLoad()], 2: [np.full(2**20, 2.0)]}
-    first = _caught(dist.collect_results, parts[rank], 3, tmpdir=tmpdir)
+    first = caught(dist.collect_results, parts[rank], 3, tmpdir=tmpdir)
     dist.barrier()
     left = tmpdir is not None and os.path.exists(tmpdir)
     dist.barrier()  # every rank looked before the next call creates the folder again
@@ -359,7 +352,7 @@ def collect_midstream_failure_case(bad_rank: int, bad: str, at: int = 20_000) ->
     results_module.PartWriter = Recording  # type: ignore[misc]
     try:
         with _shapes_seen() as shapes:
-            first = _caught(dist.collect_results, part, world * len(part))
+            first = caught(dist.collect_results, part, world * len(part))
     finally:
         results_module.PartWriter = original  # type: ignore[misc]
     again = dist.collect_results([f"item {rank}"], world)  # nothing of the failed call is left
@@ -378,13 +371,13 @@ def mismatch_cases() -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {}
     if rank == 0:
-        out["different_ops"] = _caught(dist.all_reduce, torch.ones(2))
+        out["different_ops"] = caught(dist.all_reduce, torch.ones(2))
     else:
-        out["different_ops"] = _caught(dist.broadcast, torch.ones(2))
-    out["shape"] = _caught(dist.all_reduce, torch.ones(rank + 1))
+        out["different_ops"] = caught(dist.broadcast, torch.ones(2))
+    out["shape"] = caught(dist.all_reduce, torch.ones(rank + 1))
     with dist.debug_mode():
         out["debug_enabled"] = dist.debug_enabled()
-        out["debug_shape"] = _caught(dist.all_reduce, torch.ones(rank + 1))
+        out["debug_shape"] = caught(dist.all_reduce, torch.ones(rank + 1))
         ok = torch.ones(2)
         dist.all_reduce(ok)
         out["debug_ok"] = ok.tolist()
@@ -412,9 +405,9 @@ def collect_mismatch_case(debug: bool) -> dict[str, Any]:
     context = dist.debug_mode() if debug else contextlib.nullcontext()
     with context:
         if rank == 0:
-            first = _caught(dist.all_reduce, torch.ones(2))
+            first = caught(dist.all_reduce, torch.ones(2))
         else:
-            first = _caught(dist.collect_results, part, 2 * len(part))
+            first = caught(dist.collect_results, part, 2 * len(part))
     # nothing of either call is left in the channel
     again = dist.collect_results(part, 2 * len(part))
     total = torch.tensor([float(rank)])
@@ -452,9 +445,9 @@ def reduce_dict_equal_keys_of_other_types() -> dict[str, Any]:
     # a first call where rank 0 keys by True and rank 1 by 1 (a mismatch: the signatures
     # differ) leaves each rank remembering the signature of its own keys
     first = {True if rank == 0 else 1: torch.tensor([1.0])}
-    out["first"] = _caught(dist.all_reduce_dict, first)[0]
+    out["first"] = caught(dist.all_reduce_dict, first)[0]
     # then both ranks reduce the same dict keyed by 1
     result = {1: torch.tensor([rank + 1.0])}
-    out["int_key"] = _caught(dist.all_reduce_dict, result)
+    out["int_key"] = caught(dist.all_reduce_dict, result)
     out["int_value"] = {repr(k): v.tolist() for k, v in result.items()}
     return out

@@ -12,8 +12,7 @@ import torch.distributed as torch_dist
 import comm_collectives as dist
 from comm_collectives import _capacity, _frame, _route
 from comm_core import CollectiveMismatchError, RemoteRankError, process_group
-
-from .cases import _caught
+from tests.helpers import caught
 
 N = 200  # elements: the largest dtype (16 bytes) fits the first inline capacity (4 KiB)
 
@@ -74,7 +73,7 @@ def dtype_codes() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for a, b in [("float8_e4m3fn", "float8_e5m2"), ("uint16", "uint32"), ("complex32", "int32")]:
         dtype = getattr(torch, a if rank == 0 else b)
-        out[f"{a}/{b}"] = _caught(dist.all_gather, torch.ones(3).to(dtype))
+        out[f"{a}/{b}"] = caught(dist.all_gather, torch.ones(3).to(dtype))
     ok = dist.all_gather(torch.full((2,), float(rank + 1)).to(torch.float8_e5m2))
     out["float8_ok"] = [t.to(torch.float32).tolist() for t in ok]
     return out
@@ -86,12 +85,12 @@ def version_mismatch() -> dict[str, Any]:
     if rank == 1:
         _frame.VERSION = saved + 7
     try:
-        caught = _caught(dist.all_reduce, torch.ones(2))
+        got = caught(dist.all_reduce, torch.ones(2))
     finally:
         _frame.VERSION = saved
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    return {"caught": caught, "next": float(t)}
+    return {"caught": got, "next": float(t)}
 
 
 def minor_cases(long_path: bool) -> dict[str, Any]:
@@ -120,7 +119,7 @@ def minor_cases(long_path: bool) -> dict[str, Any]:
         # mean of a float buffer and an integer counter whose mean is not exact
         running = torch.full((2,), float(rank))
         counter = torch.tensor(10 + rank)
-        out["params"] = _caught(dist.all_reduce_params, [running, counter], op="mean")
+        out["params"] = caught(dist.all_reduce_params, [running, counter], op="mean")
         out["params_untouched"] = (running.tolist(), int(counter))
     return out
 
@@ -168,8 +167,8 @@ def side_channel_counts() -> dict[str, Any]:
                 group._get_sequence_number_for_group() - data0,
                 side._get_sequence_number_for_group() - side0,
             )
-        out["mismatch"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
-        out["remote"] = _caught(dist.all_reduce, torch.ones(2), op="avg" if rank else "sum")[0]
+        out["mismatch"] = caught(dist.all_reduce, torch.ones(rank + 1))[0]
+        out["remote"] = caught(dist.all_reduce, torch.ones(2), op="avg" if rank else "sum")[0]
         out["same_side"] = _route.header_route(group)[0] is side
         # one CPU twin of the world: the headers' route is the group collect_results uses
         out["is_cpu_twin"] = side is dist.get_cpu_group() and side is not group
@@ -209,7 +208,7 @@ def unchecked_cases() -> dict[str, Any]:
         dist.all_reduce_params(params, op="max")
         out["params"] = [p.tolist() for p in params]
         with dist.debug_mode():  # debug mode turns the checks back on
-            out["debug"] = _caught(dist.all_reduce, torch.ones(rank + 1))[0]
+            out["debug"] = caught(dist.all_reduce, torch.ones(rank + 1))[0]
     return out
 
 

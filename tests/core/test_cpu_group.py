@@ -8,11 +8,9 @@ the twins are then real gloo groups, created and used for real.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as torch_dist
 
@@ -85,12 +83,6 @@ def forced_twins(store_path: str) -> dict[str, Any]:
         return out
     finally:
         process_group._CPU_BACKENDS = saved
-
-
-@pytest.fixture(scope="module")
-def cpu_gloo_world() -> Iterator[WorldPool]:
-    with WorldPool(3, backend="cpu:gloo", timeout=60) as pool:
-        yield pool
 
 
 def test_a_cpu_backend_string_is_its_own_cpu_group(cpu_gloo_world: WorldPool) -> None:

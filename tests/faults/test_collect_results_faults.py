@@ -21,15 +21,7 @@ import comm_collectives as dist
 from comm_collectives import _faults, _stream, results
 from comm_core import RemoteRankError
 from comm_core.testing import RanksFailedError, WorldPool
-
-
-def _caught(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return type(exc).__name__, str(exc)
-    return "no error", ""
-
+from tests.helpers import caught
 
 # ---------------------------------------------------------------- M1: a folder not shared
 
@@ -41,7 +33,7 @@ def folder_per_node(base: str, shared_with_rank_0: list[int]) -> dict[str, Any]:
     node = 0 if rank == 0 or rank in shared_with_rank_0 else rank
     folder = os.path.join(base, f"node{node}")
     os.makedirs(folder, exist_ok=True)
-    first = _caught(dist.collect_results, [f"r{rank}"], dist.get_world_size(), tmpdir=folder)
+    first = caught(dist.collect_results, [f"r{rank}"], dist.get_world_size(), tmpdir=folder)
     dist.barrier()  # every rank has cleaned up before the folders are listed
     left = sorted(os.listdir(folder))
     again = dist.collect_results([f"r{rank}"], dist.get_world_size())  # no stale state
@@ -52,7 +44,7 @@ def folder_missing_elsewhere(base: str) -> dict[str, Any]:
     """Rank 0 creates its folder; rank 1's node does not have it."""
     rank = dist.get_rank()
     folder = os.path.join(base, f"missing{rank}")
-    first = _caught(dist.collect_results, [rank], 2, tmpdir=folder)
+    first = caught(dist.collect_results, [rank], 2, tmpdir=folder)
     return {"first": first, "exists": os.path.exists(folder)}
 
 
@@ -106,9 +98,9 @@ def bad_argument_on(victim: int, base: str) -> dict[str, Any]:
         }
         for name, (part, size, device) in cases.items():
             start = time.monotonic()
-            caught = _caught(dist.collect_results, part, size, device=device, tmpdir=tmpdir)
+            got = caught(dist.collect_results, part, size, device=device, tmpdir=tmpdir)
             key = f"{name}/{'folder' if tmpdir else 'messages'}"
-            out[key] = (*caught, time.monotonic() - start)
+            out[key] = (*got, time.monotonic() - start)
     dist.barrier()  # rank 0 has cleaned up before any rank looks
     out["left"] = os.path.exists(folder)
     out["again"] = dist.collect_results([rank], world)
@@ -234,8 +226,8 @@ def test_a_rank_killed_in_collect_results_is_named_by_every_survivor(
 def mixed_modes(base: str) -> dict[str, Any]:
     rank = dist.get_rank()
     tmpdir = base if rank == 0 else None  # rank 0 through a folder, the others by messages
-    first = _caught(dist.collect_results, [rank], 2, tmpdir=tmpdir)
-    devices = _caught(dist.collect_results, [rank], 2, device="cpu" if rank else "gpu")
+    first = caught(dist.collect_results, [rank], 2, tmpdir=tmpdir)
+    devices = caught(dist.collect_results, [rank], 2, device="cpu" if rank else "gpu")
     again = dist.collect_results([rank], 2)
     return {"first": first, "devices": devices, "again": again}
 
@@ -272,12 +264,6 @@ def subgroup_then_world(store_path: str) -> dict[str, Any]:
     out["after_reinit"] = dist.collect_results([rank * 10], 3)  # failed on a stale twin
     out["objects"] = dist.all_gather_object(rank)
     return out
-
-
-@pytest.fixture(scope="module")
-def cpu_gloo_world() -> Iterator[WorldPool]:
-    with WorldPool(3, backend="cpu:gloo", timeout=60) as pool:
-        yield pool
 
 
 def test_cpu_gloo_subgroup_and_reinit(cpu_gloo_world: WorldPool, tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """Checkpoint cases run on every rank of a real gloo world (tests/strategies/test_checkpoint*).
 
-Models of every kind are built from the wrappers' test net (``tests.wrappers.cases``),
+Models of every kind are built from the wrappers' test net (``tests.wrappers.net``),
 trained on rank-dependent batches, saved, and loaded into fresh models of every other
 kind. Parameters are compared with functions independent of the code under test
-(``params_of`` gathers FSDP shards, DeepSpeed's ``GatheredParameters`` gathers ZeRO-3).
+(``full_params`` gathers FSDP shards, DeepSpeed's ``GatheredParameters`` gathers ZeRO-3).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from comm_wrappers import (
     MMFullyShardedDataParallel2,
     OptimWrapper,
 )
-from tests.wrappers.cases import BATCH, Net, batch, max_diff, params_of
+from tests.helpers import full_params, max_diff
+from tests.wrappers.net import BATCH, Net, batch
 
 KINDS = ["single", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
 STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp", "fsdp2": "fsdp2"}
@@ -80,18 +81,6 @@ def torch_optimizer(optim: Any) -> torch.optim.Optimizer:
 
 def strategy_of(kind: str) -> str:
     return STRATEGY.get(kind, "deepspeed")
-
-
-def full_params(model: Any) -> dict[str, torch.Tensor]:
-    """Full parameters by the user's names, gathered independently of the code under test."""
-    engine = getattr(model, "model", None)
-    if engine is not None and hasattr(engine, "zero_optimization_stage"):
-        import deepspeed
-
-        module = engine.module
-        with deepspeed.zero.GatheredParameters(list(module.parameters())):
-            return {n: p.detach().float().clone() for n, p in module.named_parameters()}
-    return params_of(model)
 
 
 def train_step(model: Any, optim: Any, step: int) -> None:
@@ -299,16 +288,16 @@ def rank0_alone(root: str) -> str:
 def outcome_wait_is_bounded() -> tuple[str, float]:
     """Rank 0 waits for the ranks' outcome flag, which rank 1 sends only 4 s later: rank 0
     raises after its 1 s bound; rank 1's late flag then completes rank 0's pending one."""
-    from comm_strategies.checkpoint._dist import Exchange
+    from comm_strategies.checkpoint._consensus import Call
 
-    exchange = Exchange("save_checkpoint")
+    call = Call("save_checkpoint", 30.0)
     if dist.get_rank() != 0:
         time.sleep(4.0)
-        exchange.check_all_ok("done", None, timeout=30.0)
+        call.vote("done", None, timeout=30.0)
         return "", 0.0
     start = time.monotonic()
     try:
-        exchange.check_all_ok("done", None, timeout=1.0)
+        call.vote("done", None, timeout=1.0)
     except CheckpointError as error:
         return str(error), time.monotonic() - start
     return "no error", time.monotonic() - start

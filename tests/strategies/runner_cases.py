@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 import comm_collectives as dist
 import comm_strategies.integrations.mmengine  # noqa: F401 - registers the strategies
-from tests.strategies.cases import full_params
+from tests.helpers import full_params
 
 SAMPLES = 32
 

@@ -187,7 +187,7 @@ def test_deepspeed_files_need_the_opt_in(comm_pools: Any, saved: str) -> None:
 def test_a_replaced_checkpoint_is_deleted_in_the_background(tmp_path: Path) -> None:
     import torch
 
-    from comm_strategies.checkpoint import _save, load_checkpoint, save_checkpoint
+    from comm_strategies.checkpoint import _publish, load_checkpoint, save_checkpoint
 
     model = torch.nn.Linear(3, 2)
     save_checkpoint(tmp_path / "ckpt", model=model, strategy="single", extra={"step": 1})
@@ -200,7 +200,7 @@ def test_a_replaced_checkpoint_is_deleted_in_the_background(tmp_path: Path) -> N
     fresh = torch.nn.Linear(3, 2)
     assert load_checkpoint(tmp_path / "ckpt", model=fresh) == {"step": 2}
     assert bool((fresh.weight == 7.0).all())
-    _save._wait_for_deletions()  # what the interpreter does at exit
+    _publish._wait_for_deletions()  # what the interpreter does at exit
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
@@ -280,7 +280,7 @@ def test_glob_characters_in_the_name_remove_only_its_own_leftovers(tmp_path: Pat
     # holding *, ? or [ once matched (and deleted) other saves' folders and user files
     import torch
 
-    from comm_strategies.checkpoint import _save, load_checkpoint, save_checkpoint
+    from comm_strategies.checkpoint import _publish, load_checkpoint, save_checkpoint
 
     (tmp_path / ".epoch_1.tmp-running").mkdir()  # another save of another name
     (tmp_path / ".notes.old-2024").write_text("mine")
@@ -289,7 +289,7 @@ def test_glob_characters_in_the_name_remove_only_its_own_leftovers(tmp_path: Pat
     for name, step in (("*", 1), ("epoch_?", 2), ("ckpt[1]", 3)):
         save_checkpoint(tmp_path / name, model=model, strategy="single", extra={"step": step})
         assert load_checkpoint(tmp_path / name, model=torch.nn.Linear(3, 2)) == {"step": step}
-    _save._wait_for_deletions()
+    _publish._wait_for_deletions()
     assert (tmp_path / ".notes.old-2024").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "*",
@@ -303,7 +303,7 @@ def test_glob_characters_in_the_name_remove_only_its_own_leftovers(tmp_path: Pat
 def test_a_link_at_the_path_is_replaced_and_its_target_kept(tmp_path: Path) -> None:
     import torch
 
-    from comm_strategies.checkpoint import _save, load_checkpoint, save_checkpoint
+    from comm_strategies.checkpoint import _publish, load_checkpoint, save_checkpoint
 
     model = torch.nn.Linear(3, 2)
     target = save_checkpoint(tmp_path / "epoch_1", model=model, strategy="single")
@@ -313,7 +313,7 @@ def test_a_link_at_the_path_is_replaced_and_its_target_kept(tmp_path: Path) -> N
         save_checkpoint(tmp_path / name, model=model, strategy="single", extra={"step": step})
         assert not (tmp_path / name).is_symlink()
         assert load_checkpoint(tmp_path / name, model=torch.nn.Linear(3, 2)) == {"step": step}
-    _save._wait_for_deletions()
+    _publish._wait_for_deletions()
     # the links themselves were removed, not what "latest" pointed to
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "epoch_1", "latest"]
     assert (target / "manifest.json").is_file()

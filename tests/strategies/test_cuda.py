@@ -13,8 +13,7 @@ import torch
 
 from comm_core.testing import WorldPool
 
-from . import cases
-from .test_strategies import MATRIX
+from .test_strategies import MATRIX, strategy_checkpoints
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -24,7 +23,7 @@ EXACT = 1e-5  # float32 on the GPU against the oracle's float32 on the CPU
 def test_every_strategy_on_the_gpu_equals_the_oracle(nccl_world: WorldPool) -> None:
     # single is left out: its plain module takes the batches as the user's loop gives them
     matrix = [(name, options) for name, options in MATRIX if name != "single"]
-    for rank_results in nccl_world.run(cases.matrix, matrix):
+    for rank_results in nccl_world.run(matrix, matrix):
         for (name, options), result in zip(matrix, rank_results):
             assert result["oracle"] < EXACT, (name, options, result)
             assert result["schedulers"] == 1, (name, options)
@@ -32,7 +31,7 @@ def test_every_strategy_on_the_gpu_equals_the_oracle(nccl_world: WorldPool) -> N
 
 def test_checkpoints_cross_strategies_on_the_gpu(nccl_world: WorldPool, tmp_path: Path) -> None:
     folder = str(tmp_path)
-    for result in nccl_world.run(cases.strategy_checkpoints, folder):
+    for result in nccl_world.run(strategy_checkpoints, folder):
         assert result["extra"] == {"step": 2}
         assert result["after_resume"] == 0.0
         assert result["after_step"] < EXACT

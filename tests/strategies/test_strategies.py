@@ -95,7 +95,8 @@ def train_with(
         "schedulers": len(schedulers),
         "scheduler_follows": all(
             s.optimizer is getattr(optim.optimizer, "optimizer", optim.optimizer)
-            or s.optimizer is strategy._schedule_target(optim)
+            # DeepSpeed: the engine's client optimizer, inside the ZeRO optimizer
+            or s.optimizer is getattr(getattr(model, "model", None), "basic_optimizer", None)
             for s in schedulers
         ),
         "lr": optim.get_lr()["lr"][0],

@@ -8,13 +8,15 @@ optimizer names are looked up in ``torch.optim``, scheduler names in
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from comm_wrappers import AmpOptimWrapper, OptimWrapper, OptimWrapperDict, unwrap_model
+
+from ._names import clean_name
 
 __all__ = [
     "build_optim_wrapper",
@@ -194,15 +196,9 @@ def build_schedulers(config: Any, optimizer: Any) -> list[Any]:
 _MMENGINE_SCHEDULER_KEYS = {"by_epoch", "begin", "end", "convert_to_iter_based"}
 
 
-def _clean_name(name: str) -> str:
-    for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(prefix, "")
-    return name
-
-
 def _named_trainable(model: nn.Module) -> dict[str, nn.Parameter]:
     module = unwrap_model(model)
-    return {_clean_name(n): p for n, p in module.named_parameters()}
+    return {clean_name(n): p for n, p in module.named_parameters()}
 
 
 def rebuild_over(
@@ -278,11 +274,43 @@ def _move_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
 
 def trainable_names(model: nn.Module) -> dict[int, str]:
     """``id(parameter) -> name`` for every parameter of the unwrapped ``model``."""
-    return {id(p): _clean_name(n) for n, p in unwrap_model(model).named_parameters()}
+    return {id(p): clean_name(n) for n, p in unwrap_model(model).named_parameters()}
 
 
-def optimizers_of(optim_wrapper: Any) -> Iterable[Any]:
-    """The wrappers of an `OptimWrapperDict`, or the one wrapper."""
-    if isinstance(optim_wrapper, OptimWrapperDict):
-        return list(optim_wrapper.values())
-    return [] if optim_wrapper is None else [optim_wrapper]
+def optimizers_of(optim_wrapper: Any) -> dict[str, Any]:
+    """The optimizer wrappers inside ``optim_wrapper``, by key.
+
+    ``{name: wrapper}`` for an ``OptimWrapperDict`` (anything with ``items()`` and no
+    ``optimizer``), ``{"": it}`` for one wrapper or torch optimizer, ``{}`` for None.
+
+    Raises:
+        TypeError: ``optim_wrapper`` is none of these.
+    """
+    if optim_wrapper is None:
+        return {}
+    if hasattr(optim_wrapper, "items") and not hasattr(optim_wrapper, "optimizer"):
+        return {str(key): value for key, value in optim_wrapper.items()}
+    if isinstance(optim_wrapper, torch.optim.Optimizer) or hasattr(optim_wrapper, "optimizer"):
+        return {"": optim_wrapper}
+    message = (
+        "optim_wrapper must be an OptimWrapper, AmpOptimWrapper, OptimWrapperDict, "
+        f"DeepSpeedOptimWrapper or torch optimizer, got {type(optim_wrapper).__name__}"
+    )
+    raise TypeError(message)
+
+
+def torch_optimizers(optim_wrapper: Any) -> dict[str, torch.optim.Optimizer]:
+    """The torch optimizers inside ``optim_wrapper``, by the keys of `optimizers_of`."""
+    return {
+        key: each if isinstance(each, torch.optim.Optimizer) else each.optimizer
+        for key, each in optimizers_of(optim_wrapper).items()
+    }
+
+
+def scalers_of(optim_wrapper: Any) -> dict[str, Any]:
+    """The gradient scalers of the wrappers that have one (``AmpOptimWrapper``), by key."""
+    return {
+        key: scaler
+        for key, each in optimizers_of(optim_wrapper).items()
+        if (scaler := getattr(each, "loss_scaler", None)) is not None
+    }

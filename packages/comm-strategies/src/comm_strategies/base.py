@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib
 import os
 import random
 import sys
@@ -19,6 +18,7 @@ from torch import nn
 
 import comm_collectives as dist
 
+from . import checkpoint
 from ._build import (
     build_optim_wrapper,
     build_schedulers,
@@ -221,16 +221,18 @@ class Strategy:
         module = self._build_model(model)
         names = trainable_names(module)
         schedulers_in = _built_schedulers(param_scheduler)
-        self._check_optimizer_before_wrapping(optim_wrapper, module)
-        wrapped = self._wrap_model(module)
-        wrapped = self._compile(wrapped, compile)
-        wrapped, optim = self._build_optimizer(
-            wrapped, optim_wrapper, names, schedulers_in, dispatch
+        wrapped, optim, target = self._setup(
+            module,
+            optim_wrapper,
+            names=names,
+            schedulers=schedulers_in,
+            dispatch=dispatch,
+            compile=compile,
         )
-        schedulers = self._build_schedulers(param_scheduler, self._schedule_target(optim))
+        schedulers = self._build_schedulers(param_scheduler, target)
         max_iters = dispatch.get("max_iters")
         if optim is not None and max_iters is not None:
-            for each in optimizers_of(optim):
+            for each in optimizers_of(optim).values():
                 init = getattr(each, "initialize_count_status", None)
                 if callable(init):
                     init(wrapped, 0, int(max_iters))
@@ -254,9 +256,6 @@ class Strategy:
             raise TypeError(message)
         return model
 
-    def _check_optimizer_before_wrapping(self, optim_wrapper: Any, model: nn.Module) -> None:
-        """Hook for strategies that must refuse some optimizer forms (nothing here)."""
-
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         """Place and wrap the model; subclasses override."""
         raise NotImplementedError
@@ -273,32 +272,47 @@ class Strategy:
         setattr(model, target, torch.compile(method, **options))
         return model
 
-    def _build_optimizer(
+    def _setup(
         self,
         model: nn.Module,
         optim_wrapper: Any,
+        *,
         names: Mapping[int, str],
         schedulers: Sequence[Any],
         dispatch: Mapping[str, Any],
-    ) -> tuple[Any, Any]:
-        """Build the optimizer wrapper over the wrapped model; DeepSpeed overrides it."""
+        compile: bool | Mapping[str, Any],
+    ) -> tuple[nn.Module, Any, Any]:
+        """Wrap (and compile) the model, then build the optimizer over its parameters.
+
+        The one hook for a backend that wraps the model and the optimizer together
+        (DeepSpeed's engine overrides it); the others only say how to wrap (`_wrap_model`).
+
+        Args:
+            model: The built, unwrapped model.
+            optim_wrapper: What `prepare` got (None, a built wrapper or optimizer, a config).
+            names: ``id(parameter) -> name`` of ``model``, to rebuild a built optimizer
+                whose parameters the wrapping replaced.
+            schedulers: Schedulers passed in built (they follow a rebuilt optimizer).
+            dispatch: The runner's facts (``max_iters``, the micro-batch size).
+            compile: `prepare`'s ``compile``.
+
+        Returns:
+            ``(model, optim_wrapper, optimizer)``: the optimizer is the torch optimizer that
+            scheduler configs are built over (None without one).
+        """
+        wrapped = self._compile(self._wrap_model(model), compile)
         if optim_wrapper is None:
-            return model, None
-        optim = build_optim_wrapper(optim_wrapper, model)
-        for each in optimizers_of(optim):
+            return wrapped, None, None
+        optim = build_optim_wrapper(optim_wrapper, wrapped)
+        for each in optimizers_of(optim).values():
             if is_optim_wrapper(each) and isinstance(each.optimizer, torch.optim.Optimizer):
-                each.optimizer = rebuild_over(each.optimizer, names, model, schedulers)
-        return model, optim
+                each.optimizer = rebuild_over(each.optimizer, names, wrapped, schedulers)
+        target = optim.optimizer if is_optim_wrapper(optim) else None
+        return wrapped, optim, target
 
     def _build_schedulers(self, config: Any, optimizer: Any) -> list[Any]:
         """Build the scheduler configs over ``optimizer``; built schedulers pass through."""
         return build_schedulers(config, optimizer)
-
-    def _schedule_target(self, optim_wrapper: Any) -> Any:
-        """The torch optimizer that scheduler configs are built over (None: no optimizer)."""
-        if optim_wrapper is None or not is_optim_wrapper(optim_wrapper):
-            return None
-        return optim_wrapper.optimizer
 
     # ------------------------------------------------------------------ checkpoints
     def _require_prepared(self, what: str) -> None:
@@ -331,7 +345,6 @@ class Strategy:
             The checkpoint directory.
         """
         self._require_prepared("save_checkpoint")
-        checkpoint = _checkpoint()
         return Path(
             checkpoint.save_checkpoint(
                 self._resolve(path),
@@ -359,7 +372,6 @@ class Strategy:
         rank waits for the others to enter the call (None: `COMM_CHECKPOINT_TIMEOUT`, or 300).
         """
         self._require_prepared("load_checkpoint")
-        checkpoint = _checkpoint()
         return dict(
             checkpoint.load_checkpoint(
                 self._resolve(path),
@@ -398,7 +410,6 @@ class Strategy:
             The checkpoint's user state (``extra``).
         """
         self._require_prepared("resume")
-        checkpoint = _checkpoint()
         if path is None:
             if self._work_dir is None:
                 message = "resume() without a path needs the strategy's work_dir"
@@ -427,25 +438,21 @@ class Strategy:
     def model_state_dict(self) -> dict[str, Any]:
         """The full, unprefixed model state on the CPU, on every rank (collective)."""
         self._require_prepared("model_state_dict")
-        checkpoint = _checkpoint()
         return dict(checkpoint.full_model_state_dict(self.model))
 
     def optim_state_dict(self) -> dict[str, Any]:
         """The full optimizer state keyed by parameter names (collective)."""
         self._require_prepared("optim_state_dict")
-        checkpoint = _checkpoint()
         return dict(checkpoint.full_optim_state_dict(self.model, self.optim_wrapper))
 
     def load_model_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Load a full model state (unprefixed names) into the prepared model (collective)."""
         self._require_prepared("load_model_state_dict")
-        checkpoint = _checkpoint()
         checkpoint.load_full_model_state_dict(self.model, dict(state_dict), strict=strict)
 
     def load_optim_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full optimizer state (from `optim_state_dict`) (collective)."""
         self._require_prepared("load_optim_state_dict")
-        checkpoint = _checkpoint()
         checkpoint.load_full_optim_state_dict(self.model, self.optim_wrapper, dict(state_dict))
 
     def _resolve(self, path: str | os.PathLike[str]) -> Path:
@@ -457,11 +464,6 @@ class Strategy:
     def __repr__(self) -> str:
         state = "prepared" if self._prepared else "not prepared"
         return f"{type(self).__name__}(name={self.name!r}, {state})"
-
-
-def _checkpoint() -> Any:
-    """The checkpoint contract (``comm_strategies.checkpoint``), imported when first used."""
-    return importlib.import_module(".checkpoint", __package__)
 
 
 def _built_schedulers(config: Any) -> list[Any]:

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-import comm_collectives as dist
 from comm_wrappers import MMDistributedDataParallel, MMSeparateDistributedDataParallel
+from comm_wrappers.backends import rank_device
 
 from .base import Strategy
 
@@ -64,22 +64,6 @@ class DDPStrategy(Strategy):
         wrapper = _WRAPPERS[kind] if isinstance(kind, str) else kind
         if self.sync_bn == "torch":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
-        model = model.to(_rank_device())
+        model = model.to(rank_device())
         wrapped: nn.Module = wrapper(model, **options)
         return wrapped
-
-
-def _rank_device() -> Any:
-    """This rank's device: the CPU, or the accelerator of its local rank."""
-    import torch
-
-    # The process group's kind of device: the local rank's GPU under nccl, the CPU under
-    # gloo (also on a machine with a GPU, when the backend is set to gloo). The index comes
-    # from the local rank, not the current device: a group made by torch directly may not
-    # have selected one.
-    device = dist.get_comm_device().type if dist.is_distributed() else dist.get_device()
-    if device == "cpu":
-        return torch.device("cpu")
-    return torch.device(
-        device, dist.get_local_rank() % max(getattr(torch, device).device_count(), 1)
-    )

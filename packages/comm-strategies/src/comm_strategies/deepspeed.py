@@ -110,16 +110,11 @@ class DeepSpeedStrategy(Strategy):
                 options[key] = value
         self.config = options
         self.inputs_to_half = None if inputs_to_half is None else list(inputs_to_half)
-        self._client_optimizer: torch.optim.Optimizer | None = None
 
     @property
     def zero_stage(self) -> int:
         """The ZeRO stage of the config (0 when it has none)."""
         return int(self.config.get("zero_optimization", {}).get("stage", 0))
-
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
-        # DeepSpeed places and wraps the model when the engine is built, with the optimizer.
-        return model
 
     def _engine_config(self, optim_wrapper: Any, dispatch: Mapping[str, Any]) -> dict[str, Any]:
         config = copy.deepcopy(self.config)
@@ -131,7 +126,7 @@ class DeepSpeedStrategy(Strategy):
             amp_dtype = optim_wrapper.get("dtype", "bfloat16") if is_amp else None
         elif isinstance(optim_wrapper, OptimWrapper):
             counts = optim_wrapper.accumulative_counts
-            clip = optim_wrapper._clip_spec()
+            clip = optim_wrapper.clip_grad
             amp_dtype = (
                 optim_wrapper.cast_dtype if isinstance(optim_wrapper, AmpOptimWrapper) else None
             )
@@ -153,14 +148,18 @@ class DeepSpeedStrategy(Strategy):
             config.setdefault("train_micro_batch_size_per_gpu", int(batch) if batch else 1)
         return config
 
-    def _build_optimizer(
+    def _setup(
         self,
         model: nn.Module,
         optim_wrapper: Any,
+        *,
         names: Mapping[int, str],
         schedulers: Sequence[Any],
         dispatch: Mapping[str, Any],
-    ) -> tuple[Any, Any]:
+        compile: bool | Mapping[str, Any],
+    ) -> tuple[nn.Module, Any, Any]:
+        """Build the DeepSpeed engine: it places and wraps the model with the optimizer."""
+        model = self._compile(model, compile)
         try:
             from comm_wrappers.deepspeed import initialize
         except ImportError as error:
@@ -202,13 +201,10 @@ class DeepSpeedStrategy(Strategy):
             # ones it tested).
             config.setdefault("zero_allow_untested_optimizer", True)
         engine, optim = initialize(model, config, client, inputs_to_half=self.inputs_to_half)
-        self._client_optimizer = engine.model.basic_optimizer
+        target = engine.model.basic_optimizer
         if client is None and "optimizer" not in config:
-            return engine, None
-        return engine, optim
-
-    def _schedule_target(self, optim_wrapper: Any) -> Any:
-        return self._client_optimizer
+            return engine, None, target
+        return engine, optim, target
 
 
 def _agree(config: dict[str, Any], key: str, value: Any, source: str) -> None:

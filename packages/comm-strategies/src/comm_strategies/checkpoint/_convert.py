@@ -7,7 +7,6 @@ consolidated from their files.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 import uuid
@@ -17,12 +16,16 @@ from typing import IO, Any
 
 import torch
 
-from . import _save
+from .._names import strip_prefixes
+from . import _deepspeed_files as ds_files
+from . import _publish
 from ._errors import CheckpointError
 from ._files import fsync_enabled, load_tensor_file, write_json
+from ._formats import quiet_torch, read_dcp_full
+from ._layout import DCP_FOLDER, DS_FOLDER, DS_TAG, MODEL_FILE
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest
-from ._models import describe_params, quiet_torch
-from ._state import strip_prefixes
+from ._params import describe_params
+from ._save import _versions
 
 PLAIN_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -106,8 +109,6 @@ def full_model_state_of(
     source: Path, *, allow_unsafe_pickle: bool = False
 ) -> dict[str, torch.Tensor]:
     """The full model state dict of any checkpoint, read in this process (no group)."""
-    from ._load import read_dcp_full
-
     if source.is_file():
         data = load_tensor_file(
             source, allow_unsafe_pickle=allow_unsafe_pickle, mmap=True, what="checkpoint"
@@ -120,15 +121,12 @@ def full_model_state_of(
             message = f"{source} holds a {type(data).__name__}, not a state dict"
             raise CheckpointError(message)
         return strip_prefixes({k: v for k, v in data.items() if isinstance(v, torch.Tensor)})
-    if not (source / MANIFEST_NAME).is_file():
-        from ._deepspeed import consolidate, is_deepspeed_folder
-
-        if is_deepspeed_folder(source):
-            return consolidate(source, allow_unsafe_pickle=allow_unsafe_pickle)
+    if not (source / MANIFEST_NAME).is_file() and ds_files.is_deepspeed_folder(source):
+        return ds_files.consolidate(source, allow_unsafe_pickle=allow_unsafe_pickle)
     manifest = read_manifest(source)
     if manifest.format == "full":
         state: dict[str, torch.Tensor] = load_tensor_file(
-            source / _save.MODEL_FILE,
+            source / MODEL_FILE,
             allow_unsafe_pickle=allow_unsafe_pickle,
             mmap=True,
             what="model state",
@@ -137,9 +135,9 @@ def full_model_state_of(
     if manifest.format == "dcp":
         full: dict[str, torch.Tensor] = read_dcp_full(source)["model"]
         return full
-    from ._deepspeed import DS_FOLDER, DS_TAG, consolidate
-
-    return consolidate(source / DS_FOLDER / DS_TAG, allow_unsafe_pickle=allow_unsafe_pickle)
+    return ds_files.consolidate(
+        source / DS_FOLDER / DS_TAG, allow_unsafe_pickle=allow_unsafe_pickle
+    )
 
 
 def convert_checkpoint(
@@ -204,14 +202,12 @@ def _write_sharded(state: dict[str, torch.Tensor], src: Path, dst: Path, *, prog
     strategy = "convert"
     if (src / MANIFEST_NAME).is_file():
         strategy = read_manifest(src).strategy
-    temporary = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:12]}"
+    temporary = _publish.temporary_name(dst)
     temporary.mkdir(mode=0o700)
     try:
         bar = Progress("writing", _nbytes(state), enabled=progress)
         with quiet_torch():
-            dcp_save(
-                {"model": state}, checkpoint_id=str(temporary / _save.DCP_FOLDER), no_dist=True
-            )
+            dcp_save({"model": state}, checkpoint_id=str(temporary / DCP_FOLDER), no_dist=True)
         bar.advance(_nbytes(state))
         bar.close()
         manifest = Manifest(
@@ -229,13 +225,13 @@ def _write_sharded(state: dict[str, torch.Tensor], src: Path, dst: Path, *, prog
             has_scaler=False,
             rng_ranks=[],
             extra_keys=[],
-            versions=_save._versions(),
+            versions=_versions(),
             saved_at=time.time(),
-            files=_save._list_files(temporary),
+            files=_publish.list_files(temporary),
         )
         write_json(manifest.to_json(), temporary / MANIFEST_NAME)
-        _save._publish(temporary, dst)
+        _publish.finish(temporary, dst)
     except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
+        _publish.abandon(temporary)
         raise
     return dst

@@ -2,29 +2,35 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._errors import CheckpointError
-from ._models import (
-    check_against,
-    deepspeed_engine,
-    describe_params,
-    get_model_state,
-    get_optim_state,
-    model_kind,
-    optimizers_of,
-    set_model_state,
-    set_optim_state,
-    state_target,
-)
+from comm_wrappers.backends import Backend, backend_of
 
-_PREFIXES = re.compile(r"^(module\.|_orig_mod\.|_fsdp_wrapped_module\.|model\.module\.)+")
-DEFAULT_KEY = "default"
+from .._build import torch_optimizers
+from ._errors import CheckpointError
+from ._formats import load_full_model
+from ._layout import DEFAULT_KEY
+
+
+def named_optimizers(optim_wrapper: Any) -> dict[str, torch.optim.Optimizer]:
+    """The torch optimizers of ``optim_wrapper`` under their checkpoint keys."""
+    optimizers = torch_optimizers(optim_wrapper)
+    return {DEFAULT_KEY if key == "" else key: value for key, value in optimizers.items()}
+
+
+def refuse_unportable(backend: Backend, what: str) -> None:
+    """Raise when the backend's optimizer state has no per-parameter full form."""
+    why = backend.optimizer_not_portable()
+    if why is not None:
+        message = (
+            f"{what}: {why}. Save it with save_checkpoint (its natural format), or move the "
+            "weights only (load_optimizer=False / optim_wrapper=None)."
+        )
+        raise CheckpointError(message)
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -44,34 +50,8 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         >>> sorted(full_model_state_dict(torch.nn.Linear(2, 1)))
         ['bias', 'weight']
     """
-    kind = model_kind(model)
-    if kind == "deepspeed":
-        from ._deepspeed import full_model_state
-
-        return full_model_state(deepspeed_engine(model), rank0_only=False)
-    state: dict[str, torch.Tensor] = get_model_state(model, kind, full=True, rank0_only=False)
+    state: dict[str, torch.Tensor] = backend_of(model).model_state(full=True)
     return state
-
-
-def _named_optimizers(optim_wrapper: Any) -> dict[str, torch.optim.Optimizer]:
-    optimizers = optimizers_of(optim_wrapper)
-    return {DEFAULT_KEY if key == "" else key: value for key, value in optimizers.items()}
-
-
-def _refuse_deepspeed_optimizer(model: Any, what: str) -> None:
-    engine = deepspeed_engine(model)
-    if engine is None:
-        return
-    from ._deepspeed import zero_stage
-
-    if zero_stage(engine) > 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
-        message = (
-            f"{what}: DeepSpeed keeps this engine's optimizer state in its own partitioned "
-            f"form (ZeRO stage {zero_stage(engine)}), which has no per-parameter full form "
-            "here. Save it with save_checkpoint (DeepSpeed's files), or move the weights "
-            "only (load_optimizer=False / optim_wrapper=None)."
-        )
-        raise CheckpointError(message)
 
 
 def full_optim_state_dict(model: nn.Module, optim_wrapper: Any) -> dict[str, Any]:
@@ -89,24 +69,16 @@ def full_optim_state_dict(model: nn.Module, optim_wrapper: Any) -> dict[str, Any
         >>> full_optim_state_dict(model, optimizer)["param_groups"][0]["params"]
         ['weight', 'bias']
     """
-    _refuse_deepspeed_optimizer(model, "full_optim_state_dict")
-    kind = model_kind(model)
-    optimizers = _named_optimizers(optim_wrapper)
-    if kind == "deepspeed":
-        model, kind = deepspeed_engine(model).module, "module"
+    backend = backend_of(model)
+    refuse_unportable(backend, "full_optim_state_dict")
     states = {
-        key: get_optim_state(model, kind, optimizer, full=True, rank0_only=False)
-        for key, optimizer in optimizers.items()
+        key: backend.optim_state(optimizer, full=True)
+        for key, optimizer in named_optimizers(optim_wrapper).items()
     }
     if list(states) == [DEFAULT_KEY]:
         state: dict[str, Any] = states[DEFAULT_KEY]
         return state
     return states
-
-
-def strip_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop wrapper prefixes (``module.``, ``_orig_mod.``...) from a state dict's names."""
-    return {_PREFIXES.sub("", key): value for key, value in state.items()}
 
 
 def load_full_model_state_dict(
@@ -135,45 +107,7 @@ def load_full_model_state_dict(
         >>> model.weight.tolist()
         [[1.0, 1.0]]
     """
-    kind = model_kind(model)
-    if kind == "deepspeed":
-        from ._deepspeed import load_full_model_state, param_shapes
-
-        engine = deepspeed_engine(model)
-        expected = param_shapes(engine)
-    else:
-        expected = _expected_params(model, kind)
-    state = _fit_names(state_dict, expected)
-    found = describe_params(state)
-    check_against(expected, found, source or "the state dict", strict)
-    if not strict:
-        state = {k: v for k, v in state.items() if k in expected}
-    if kind == "deepspeed":
-        load_full_model_state(engine, state, strict)
-    else:
-        set_model_state(model, kind, state, full=True, strict=strict)
-
-
-def _fit_names(state: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, Any]:
-    """The state with wrapper prefixes removed, unless its names fit the model as they are."""
-    as_is = dict(state)
-    if set(as_is) <= set(expected):
-        return as_is
-    stripped = strip_prefixes(state)
-    if len(set(stripped) & set(expected)) > len(set(as_is) & set(expected)):
-        return stripped
-    return as_is
-
-
-def _expected_params(model: nn.Module, kind: str) -> dict[str, list[Any]]:
-    """``{name: [shape, dtype]}`` of the model's full state, without gathering anything."""
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    from ._models import quiet_torch
-
-    with quiet_torch():
-        state = dsd.get_model_state_dict(state_target(model, kind))
-    return describe_params(state)
+    load_full_model(backend_of(model), state_dict, strict, source or "the state dict")
 
 
 def load_full_optim_state_dict(
@@ -194,11 +128,9 @@ def load_full_optim_state_dict(
         >>> optimizer.param_groups[0]["lr"]
         0.5
     """
-    _refuse_deepspeed_optimizer(model, "load_full_optim_state_dict")
-    kind = model_kind(model)
-    optimizers = _named_optimizers(optim_wrapper)
-    if kind == "deepspeed":
-        model, kind = deepspeed_engine(model).module, "module"
+    backend = backend_of(model)
+    refuse_unportable(backend, "load_full_optim_state_dict")
+    optimizers = named_optimizers(optim_wrapper)
     states = {DEFAULT_KEY: state_dict} if list(optimizers) == [DEFAULT_KEY] else state_dict
     if sorted(states) != sorted(optimizers):
         message = (
@@ -207,4 +139,4 @@ def load_full_optim_state_dict(
         )
         raise CheckpointError(message)
     for key, optimizer in optimizers.items():
-        set_optim_state(model, kind, optimizer, states[key], full=True)
+        backend.load_optim_state(optimizer, states[key], full=True)

@@ -1,7 +1,8 @@
-"""DeepSpeed engines: full state in and out (ZeRO 0-3), native files, consolidation.
+"""DeepSpeed's own checkpoint files: native save and load, reading them safely, consolidation.
 
-Imported only when a DeepSpeed engine or DeepSpeed's files are at hand: DeepSpeed is the
-``deepspeed`` extra.
+The engine's state itself (full weights in and out, ZeRO-3 gathering) is the DeepSpeed
+backend adapter's (``comm_wrappers.backends``). Imported only when a DeepSpeed engine or
+DeepSpeed's files are at hand: DeepSpeed is the ``deepspeed`` extra.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 
 import torch
 
-from . import _dist
+from ._consensus import where
 from ._errors import CheckpointError
 from ._files import UNSAFE_HINT, _weights_only_detail
+from ._layout import DS_FOLDER, DS_TAG
 from ._rng import numpy_safe_globals
 
 # The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins:
@@ -69,10 +71,6 @@ def _engine_loads_safely(engine: Any, allow_unsafe_pickle: bool) -> Iterator[Non
         del checkpoint_engine.load
 
 
-DS_FOLDER = "deepspeed"
-DS_TAG = "state"
-
-
 def _deepspeed() -> Any:
     try:
         import deepspeed
@@ -83,60 +81,6 @@ def _deepspeed() -> Any:
         )
         raise CheckpointError(message) from error
     return deepspeed
-
-
-def zero_stage(engine: Any) -> int:
-    """The engine's ZeRO stage."""
-    return int(engine.zero_optimization_stage())
-
-
-@contextlib.contextmanager
-def _gathered(engine: Any, modifier_rank: int | None) -> Iterator[None]:
-    if zero_stage(engine) == 3:
-        parameters = list(engine.module.parameters())
-        with _deepspeed().zero.GatheredParameters(parameters, modifier_rank=modifier_rank):
-            yield
-    else:
-        yield
-
-
-def param_shapes(engine: Any) -> dict[str, list[Any]]:
-    """``{name: [shape, dtype]}`` of the engine's module (ZeRO-3's full shapes)."""
-    out: dict[str, list[Any]] = {}
-    module = engine.module
-    for name, parameter in module.named_parameters():
-        shape = getattr(parameter, "ds_shape", parameter.shape)
-        out[name] = [list(shape), str(parameter.dtype).removeprefix("torch.")]
-    for name, buffer in module.named_buffers():
-        out[name] = [list(buffer.shape), str(buffer.dtype).removeprefix("torch.")]
-    return out
-
-
-def full_model_state(engine: Any, *, rank0_only: bool) -> dict[str, torch.Tensor]:
-    """The module's full state on the CPU (collective under ZeRO-3: it gathers)."""
-    keep = not rank0_only or _dist.rank() == 0
-    with _gathered(engine, modifier_rank=None):
-        if not keep:
-            return {}
-        return {
-            name: value.detach().cpu().clone()
-            for name, value in engine.module.state_dict().items()
-            if isinstance(value, torch.Tensor)
-        }
-
-
-def load_full_model_state(engine: Any, state: Mapping[str, torch.Tensor], strict: bool) -> None:
-    """Load a full state into the engine's module and its fp32 master copy (collective).
-
-    Under ZeRO-3 the parameters are gathered, rank 0's copy is written and partitioned
-    again on exit. The optimizer's fp32 partitions (ZeRO 1-3, bf16) are then refreshed
-    from the new weights, or its next step would bring the old ones back.
-    """
-    with _gathered(engine, modifier_rank=0), torch.no_grad():
-        engine.module.load_state_dict(dict(state), strict=strict)
-    refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
-    if callable(refresh):
-        refresh()
 
 
 def save_native(engine: Any, folder: Path) -> None:
@@ -168,7 +112,7 @@ def load_native(
             load_module_only=not load_optimizer,
         )
     if loaded is None:
-        message = f"DeepSpeed could not load {folder} (tag {tag!r}) on {_dist.where()}"
+        message = f"DeepSpeed could not load {folder} (tag {tag!r}) on {where()}"
         raise CheckpointError(message)
 
 
@@ -235,6 +179,7 @@ def consolidate(folder: Path, *, allow_unsafe_pickle: bool) -> dict[str, torch.T
             message = f"{tag_dir / 'mp_rank_00_model_states.pt'} has no 'module' state dict"
             raise CheckpointError(message)
         return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+    _deepspeed()  # a clear error without the extra
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     log = io.StringIO()

@@ -19,8 +19,8 @@ from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import comm_collectives as dist
-from comm_strategies.checkpoint import _gather
 from comm_wrappers import MMFullyShardedDataParallel
+from comm_wrappers.backends import _fsdp1, _gather, backend_of
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
@@ -76,7 +76,7 @@ def fast_path_matches_torch() -> dict[str, Any]:
     """Every layout: (fast path taken, mismatches) from rank 0, {} elsewhere."""
     results: dict[str, Any] = {}
     taken: list[bool] = []
-    real = _gather._fsdp1_state
+    real = _fsdp1.flat_to_rank0
 
     def spy(root: Any) -> Any:
         state = real(root)
@@ -92,11 +92,11 @@ def fast_path_matches_torch() -> dict[str, Any]:
             optimizer.step()
         want = _oracle(model)
         taken.clear()
-        _gather._fsdp1_state = spy
+        _fsdp1.flat_to_rank0 = spy
         try:
-            got = _gather.full_state_to_rank0(model, "fsdp1")
+            got = backend_of(model)._gather_to_rank0()
         finally:
-            _gather._fsdp1_state = real
+            _fsdp1.flat_to_rank0 = real
         key = f"{strategy} wrap={wrap} orig={orig} checkpointed={checkpointed}"
         if dist.get_rank() == 0:
             assert got is not None
@@ -125,7 +125,7 @@ def compiled_and_tied_full_saves() -> dict[str, Any]:
         ("compiled", MMFullyShardedDataParallel(compiled, use_orig_params=True)),
         ("tied", tied_across_units()),
     ):
-        got = _gather.full_state_to_rank0(model, "fsdp1")
+        got = backend_of(model)._gather_to_rank0()
         want = _oracle(model)
         out[key] = sorted(want) if got is None else _compare(got, want) if got else "empty"
     return out
@@ -136,19 +136,19 @@ def refused_layouts() -> dict[str, Any]:
     out: dict[str, Any] = {}
     model = fsdp1("FULL_SHARD", wrap=True, orig=False)
     with type(model).summon_full_params(model):
-        out["summoned"] = _gather._fsdp1_state(model)
+        out["summoned"] = _gather.flat_to_rank0(model)
     precision = MixedPrecision(buffer_dtype=torch.float16)
     model = fsdp1("FULL_SHARD", wrap=False, orig=True, mixed_precision=precision)
-    out["buffers in low precision"] = _gather._fsdp1_state(model)
+    out["buffers in low precision"] = _gather.flat_to_rank0(model)
     model = fsdp1("FULL_SHARD", wrap=False, orig=False)
     model.module.head._register_state_dict_hook(lambda *args: None)
-    out["a state-dict hook"] = _gather._fsdp1_state(model)
+    out["a state-dict hook"] = _gather.flat_to_rank0(model)
     torch.manual_seed(0)
     compiled = Model()
     compiled.block = torch.compile(compiled.block)  # not run: no compiler needed
-    out["a compiled submodule"] = _gather._fsdp1_state(
+    out["a compiled submodule"] = _gather.flat_to_rank0(
         MMFullyShardedDataParallel(compiled, use_orig_params=True)
     )
-    out["a weight tied across units"] = _gather._fsdp1_state(tied_across_units())
-    out["after refusals, a layout it reads"] = _gather._fsdp1_state(fsdp1("NO_SHARD", True, True))
+    out["a weight tied across units"] = _gather.flat_to_rank0(tied_across_units())
+    out["after refusals, a layout it reads"] = _gather.flat_to_rank0(fsdp1("NO_SHARD", True, True))
     return {k: v if v is None else "a state" for k, v in out.items()}

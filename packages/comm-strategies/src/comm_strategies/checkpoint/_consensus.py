@@ -1,0 +1,145 @@
+"""Every rank of a checkpoint call arrives, or every rank raises; outcomes are shared.
+
+The checkpoint functions are collective. A rank that calls one alone must get an error
+instead of waiting forever, so every call starts with `Call.enter`: a bounded exchange of
+small strings through the process group's store (comm_collectives' `rendezvous`: no
+tensor, no device sync), which also hands every rank the values it needs (the folder
+name, each rank's path). After the work that may fail on one rank, `Call.vote` shares
+each rank's outcome (comm_collectives' `agree`, bounded by a timeout) and raises on every
+rank when any rank failed. Both turn the layer's errors into `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import comm_collectives as dist
+
+from ._errors import CheckpointError
+
+DEFAULT_TIMEOUT_S = 300.0
+# How long the ranks wait for each other to finish writing (large models write slowly).
+WRITE_TIMEOUT_S = 3600.0
+_TIMEOUT_VARIABLE = "COMM_CHECKPOINT_TIMEOUT"
+_calls = 0
+
+
+def where() -> str:
+    """``"rank R of W"`` for error messages."""
+    return f"rank {dist.get_rank()} of {dist.get_world_size()}"
+
+
+def handshake_timeout(timeout: float | None, operation: str) -> float:
+    """The timeout of the entry handshake: the argument, the variable, or the default."""
+    if timeout is not None:
+        return _checked(float(timeout), "timeout", operation)
+    value = os.environ.get(_TIMEOUT_VARIABLE)
+    if value:
+        try:
+            seconds = float(value)
+        except ValueError:
+            message = f"{_TIMEOUT_VARIABLE} must be a number of seconds, got {value!r}"
+            raise CheckpointError(message) from None
+        return _checked(seconds, _TIMEOUT_VARIABLE, operation)
+    return DEFAULT_TIMEOUT_S
+
+
+def _checked(seconds: float, source: str, operation: str) -> float:
+    """``seconds`` when it bounds a wait (infinity, NaN, 0 or less do not)."""
+    if not (0.0 < seconds < math.inf):
+        message = (
+            f"{operation}: {source} must be a positive, finite number of seconds, got "
+            f"{seconds!r}; pass a large number (86400: a day) to wait long"
+        )
+        raise CheckpointError(message)
+    return seconds
+
+
+class Call:
+    """The steps every rank of one collective checkpoint call takes together.
+
+    Args:
+        operation: The public function, for messages (``"save_checkpoint"``).
+        timeout: Seconds to wait for the other ranks to enter; None: the variable or 300.
+    """
+
+    def __init__(self, operation: str, timeout: float | None) -> None:
+        global _calls
+        self.operation = operation
+        self.timeout = handshake_timeout(timeout, operation)
+        _calls += 1
+        self.number = _calls
+
+    def enter(self, value: str) -> list[str]:
+        """Post ``value`` and return every rank's (index = rank) once all have entered.
+
+        Raises:
+            CheckpointError: A rank did not enter within the timeout. This rank's entry is
+                withdrawn and the call's number given back, so a call made under
+                ``if rank == 0`` fails once and the collective calls after it still match.
+        """
+        key = f"comm_checkpoint/{self.number}/enter"
+        try:
+            return dist.rendezvous(key, value, timeout=self.timeout, withdraw_on_timeout=True)
+        except dist.CommTimeoutError as error:
+            global _calls
+            if _calls == self.number:
+                _calls -= 1
+            missing = list(getattr(error, "missing", []))
+            message = (
+                f"{self.operation} on {where()}: rank(s) {missing} did not reach 'enter' "
+                f"within {self.timeout:g} s. Every rank must call {self.operation} (it is "
+                "collective): call it on all ranks, not under `if rank == 0`. If the other "
+                f"ranks are only slow, raise the timeout ({_TIMEOUT_VARIABLE} or timeout=)."
+            )
+            raise CheckpointError(message) from error
+
+    def vote(self, step: str, error: BaseException | None, timeout: float | None = None) -> None:
+        """Share each rank's outcome of ``step``; raise on every rank if any rank failed.
+
+        Waits at most ``timeout`` seconds, by default the longer of the entry timeout and
+        an hour (writing is slow): a rank that died after entering makes the others raise
+        then, not after the process group's own timeout.
+        """
+        if dist.get_world_size() == 1:
+            if error is not None:
+                raise _failed(self.operation, error, [(0, _label(error))], error)
+            return
+        bound = max(self.timeout, WRITE_TIMEOUT_S) if timeout is None else timeout
+        started = time.monotonic()
+        try:
+            dist.agree(f"{self.operation} ({step})", error, timeout=bound)
+        except dist.RemoteRankError as remote:
+            failures = [
+                (f.rank, f"{f.error_type.rsplit('.', 1)[-1]}: {f.message}") for f in remote.failures
+            ]
+            raise _failed(self.operation, error, failures, error or remote)  # noqa: B904
+        except dist.CommTimeoutError as timed_out:
+            waited = time.monotonic() - started
+            message = (
+                f"{self.operation}: rank {dist.get_rank()} waited {waited:.0f} s at step "
+                f"{step!r} for the other ranks' outcome ({timed_out}); a rank died or is "
+                "stuck: check the logs of the other ranks."
+            )
+            raise CheckpointError(message) from (error or timed_out)
+
+
+def _label(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _failed(
+    operation: str,
+    error: BaseException | None,
+    failures: list[tuple[int, str]],
+    cause: BaseException | None,
+) -> CheckpointError:
+    """This rank's own `CheckpointError` when it alone failed, else one naming every rank."""
+    if isinstance(error, CheckpointError) and len(failures) == 1:
+        return error
+    details = "; ".join(f"rank {rank}: {text}" for rank, text in failures)
+    failed = CheckpointError(f"{operation} failed on {len(failures)} rank(s): {details}")
+    failed.__cause__ = cause
+    return failed

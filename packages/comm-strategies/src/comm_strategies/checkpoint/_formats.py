@@ -1,0 +1,322 @@
+"""How a checkpoint stores the model and optimizer: one writer/reader pair per format.
+
+``full`` (``model.pt``/``optim.pt``, full tensors written by rank 0), ``dcp`` (every rank
+writes its shards with torch distributed checkpoint) and ``deepspeed`` (DeepSpeed's own
+files). Writers and readers call the model's backend adapter (``comm_wrappers.backends``)
+and never ask which backend it is: the adapter decides (sharded state or full, DeepSpeed's
+engine or not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+import comm_collectives as dist
+from comm_wrappers.backends import Backend
+
+from . import _deepspeed_files as ds_files
+from ._consensus import where
+from ._errors import CheckpointError
+from ._files import load_tensor_file, save_tensor_file
+from ._layout import DCP_FOLDER, DS_FOLDER, DS_TAG, MODEL_FILE, OPTIM_FILE
+from ._manifest import Manifest
+from ._params import check_against, describe_params, fit_names
+
+Optimizers = Mapping[str, torch.optim.Optimizer]
+
+# What torch says on every FSDP1 sharded state dict and every DCP call without a group:
+# facts about torch's internals, not about the user's checkpoint.
+_TORCH_NOISE = (
+    "Please use DTensor instead",
+    "_get_pg_default_device",
+    "Multiple backends are registered",
+    "torch.distributed is disabled, unavailable or uninitialized",
+)
+
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    """Silence torch's internal deprecation chatter during DCP calls."""
+    with warnings.catch_warnings():
+        for text in _TORCH_NOISE:
+            warnings.filterwarnings("ignore", message=f".*{text}")
+        yield
+
+
+class Attempts:
+    """Runs one rank's local writes; keeps the first failure instead of raising, so that
+    the rank still takes part in the collective steps after it (the vote reports it)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.error: BaseException | None = None
+
+    def run(self, function: Callable[..., Any], *args: Any, what: str = "") -> Any:
+        if self.error is not None:
+            return None
+        try:
+            return function(*args)
+        except Exception as caught:
+            target = what or getattr(function, "__name__", "a part")
+            message = f"writing {target} into {self.folder} failed on {where()}: {caught}"
+            self.error = CheckpointError(message)
+            self.error.__cause__ = caught
+            return None
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What a load asks of a reader.
+
+    Attributes:
+        strict: The model's names must equal the checkpoint's.
+        optimizers: The torch optimizers to fill, by the checkpoint's keys (empty: the
+            weights only).
+        allow_unsafe_pickle: Files that need full unpickling may be read.
+    """
+
+    strict: bool = True
+    optimizers: Optimizers = field(default_factory=dict)
+    allow_unsafe_pickle: bool = False
+
+
+def load_full_model(backend: Backend, state: Mapping[str, Any], strict: bool, source: str) -> None:
+    """Load a full state (every rank holds it) after matching its names with the model's.
+
+    Names may carry wrapper prefixes (``module.``, ``_orig_mod.``...): removed when that
+    fits the model better. Raises `CheckpointError` naming missing, unexpected or
+    differently shaped entries.
+    """
+    expected = backend.param_shapes()
+    fitted = fit_names(state, expected)
+    check_against(expected, describe_params(fitted), source, strict)
+    if not strict:
+        fitted = {k: v for k, v in fitted.items() if k in expected}
+    backend.load_model_state(fitted, full=True, strict=strict)
+
+
+def _cannot_move(manifest: Manifest, source: Path, backend: Backend, why: str) -> CheckpointError:
+    message = (
+        f"{source} holds {manifest.format!r} optimizer state saved under "
+        f"{manifest.strategy} ({manifest.wrapper}, world size {manifest.world_size}), which "
+        f"cannot load into this {backend.kind} model: {why}. Pass load_optimizer=False to "
+        "load the weights (and schedulers, RNG, user state) only."
+    )
+    return CheckpointError(message)
+
+
+def _load_full(
+    backend: Backend,
+    model_state: Mapping[str, Any],
+    optim_states: Mapping[str, Any],
+    request: LoadRequest,
+    source: str,
+) -> None:
+    load_full_model(backend, model_state, request.strict, source)
+    for key, optimizer in request.optimizers.items():
+        backend.load_optim_state(optimizer, optim_states[key], full=True)
+
+
+def _check_portable(
+    manifest: Manifest, source: Path, backend: Backend, request: LoadRequest
+) -> None:
+    why = backend.optimizer_not_portable()
+    if request.optimizers and why is not None:
+        raise _cannot_move(manifest, source, backend, why)
+
+
+class FullFormat:
+    """Full tensors gathered to rank 0 and written there as ``model.pt`` / ``optim.pt``."""
+
+    name: ClassVar[str] = "full"
+
+    def write(
+        self, backend: Backend, optimizers: Optimizers, folder: Path, attempts: Attempts
+    ) -> dict[str, list[Any]]:
+        leader = dist.get_rank() == 0
+        params = backend.param_shapes()
+        state = backend.model_state(full=True, rank0_only=True)
+        if leader:
+            attempts.run(save_tensor_file, state, folder / MODEL_FILE, what=MODEL_FILE)
+        del state
+        if optimizers:
+            states = {
+                key: backend.optim_state(optimizer, full=True, rank0_only=True)
+                for key, optimizer in optimizers.items()
+            }
+            if leader:
+                attempts.run(save_tensor_file, states, folder / OPTIM_FILE, what=OPTIM_FILE)
+        return params
+
+    def read(
+        self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
+    ) -> None:
+        _check_portable(manifest, source, backend, request)
+        unsafe = request.allow_unsafe_pickle
+        model_state = load_tensor_file(
+            source / MODEL_FILE, allow_unsafe_pickle=unsafe, mmap=True, what="model state"
+        )
+        optim_states: Mapping[str, Any] = {}
+        if request.optimizers:
+            optim_states = load_tensor_file(
+                source / OPTIM_FILE, allow_unsafe_pickle=unsafe, mmap=True, what="optimizer state"
+            )
+        _load_full(backend, model_state, optim_states, request, str(source / MODEL_FILE))
+
+
+def sharded_state(backend: Backend, optimizers: Optimizers) -> dict[str, Any]:
+    """``{"model": ..., "optim": {key: ...}}`` as DCP saves and loads it: every rank's own
+    shards ("optim" only when there are optimizers)."""
+    state: dict[str, Any] = {"model": backend.model_state(full=False)}
+    if optimizers:
+        state["optim"] = {
+            key: backend.optim_state(optimizer, full=False) for key, optimizer in optimizers.items()
+        }
+    return state
+
+
+class DcpFormat:
+    """Every rank writes its shards with torch distributed checkpoint (collective); read
+    back resharded to any layout and world size."""
+
+    name: ClassVar[str] = "dcp"
+
+    def write(
+        self, backend: Backend, optimizers: Optimizers, folder: Path, attempts: Attempts
+    ) -> dict[str, list[Any]]:
+        state = sharded_state(backend, optimizers)
+        try:
+            with quiet_torch():
+                dcp_save(state, checkpoint_id=str(folder / DCP_FOLDER))
+        except Exception as caught:  # DCP gathers the ranks' failures and raises everywhere
+            message = (
+                f"torch distributed checkpoint could not write {folder / DCP_FOLDER}: {caught}"
+            )
+            raise CheckpointError(message) from caught
+        return backend.param_shapes()
+
+    def read(
+        self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
+    ) -> None:
+        if backend.format_for(True) != self.name:  # a backend that cannot take DCP shards
+            _check_portable(manifest, source, backend, request)
+            state = read_dcp_full(source)
+            _load_full(backend, state["model"], state.get("optim", {}), request, str(source))
+            return
+        check_against(backend.param_shapes(), manifest.params, str(source), request.strict)
+        state = sharded_state(backend, request.optimizers)
+        if not request.strict:
+            state["model"] = {k: v for k, v in state["model"].items() if k in manifest.params}
+        try:
+            with quiet_torch():
+                dcp_load(state, checkpoint_id=str(source / DCP_FOLDER))
+        except Exception as caught:
+            message = f"torch distributed checkpoint could not read {source / DCP_FOLDER}: {caught}"
+            raise CheckpointError(message) from caught
+        backend.load_model_state(state["model"], full=False, strict=request.strict)
+        for key, optimizer in request.optimizers.items():
+            backend.load_optim_state(optimizer, state["optim"][key], full=False)
+
+
+def read_dcp_full(source: Path) -> dict[str, Any]:
+    """Every tensor of a checkpoint's DCP folder, full, in this process (no group needed)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    folder = source / DCP_FOLDER
+    if not (folder / ".metadata").is_file():
+        message = f"{folder} has no .metadata: the sharded checkpoint is incomplete or damaged"
+        raise CheckpointError(message)
+    state: dict[str, Any] = {}
+    try:
+        # What torch's dcp_to_torch_save does: the planner fills the dict from the metadata.
+        with quiet_torch():
+            _load_state_dict(
+                state,
+                storage_reader=FileSystemReader(str(folder)),
+                planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+                no_dist=True,
+            )
+    except Exception as caught:
+        message = f"torch distributed checkpoint could not read {folder}: {caught}"
+        raise CheckpointError(message) from caught
+    return state
+
+
+class DeepSpeedFormat:
+    """DeepSpeed's own files under ``deepspeed/``: natively into an engine of the same ZeRO
+    stage and world size, else consolidated (the weights only)."""
+
+    name: ClassVar[str] = "deepspeed"
+
+    def write(
+        self, backend: Backend, optimizers: Optimizers, folder: Path, attempts: Attempts
+    ) -> dict[str, list[Any]]:
+        params = backend.param_shapes()
+        attempts.run(ds_files.save_native, backend.engine, folder)
+        return params
+
+    def read(
+        self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
+    ) -> None:
+        folder = source / DS_FOLDER
+        load_native_folder(
+            folder,
+            DS_TAG,
+            (manifest.zero_stage, manifest.world_size),
+            backend,
+            request,
+            lambda why: _cannot_move(manifest, source, backend, why),
+        )
+
+
+def load_native_folder(
+    save_dir: Path,
+    tag: str,
+    layout: tuple[int | None, int | None],
+    backend: Backend,
+    request: LoadRequest,
+    cannot_move: Callable[[str], CheckpointError],
+) -> None:
+    """A DeepSpeed folder saved with ``layout`` = (ZeRO stage, world size): natively into an
+    engine of that layout, else its weights consolidated (its optimizer state cannot move)."""
+    stage, world = layout
+    same_engine = (
+        backend.engine is not None
+        and stage == backend.describe()["zero_stage"]
+        and world == dist.get_world_size()
+    )
+    unsafe = request.allow_unsafe_pickle
+    if same_engine:
+        ds_files.load_native(
+            backend.engine,
+            save_dir,
+            tag,
+            strict=request.strict,
+            load_optimizer=bool(request.optimizers),
+            allow_unsafe_pickle=unsafe,
+        )
+        return
+    if request.optimizers:
+        why = (
+            "DeepSpeed's optimizer files load only into an engine of the same ZeRO stage "
+            f"(saved {stage}) and world size (saved {world}, now {dist.get_world_size()})"
+        )
+        raise cannot_move(why)
+    state = ds_files.consolidate(save_dir / tag, allow_unsafe_pickle=unsafe)
+    load_full_model(backend, state, request.strict, str(save_dir))
+
+
+FORMATS: dict[str, FullFormat | DcpFormat | DeepSpeedFormat] = {
+    fmt.name: fmt for fmt in (FullFormat(), DcpFormat(), DeepSpeedFormat())
+}

@@ -1,0 +1,166 @@
+"""The temporary folder and the atomic publish of a checkpoint, in a fixed order.
+
+``begin`` (rank 0): clear what killed saves of the name left, check that the path may be
+replaced, create a private temporary folder next to it. Every rank then writes into that
+folder. ``finish`` (rank 0, after every rank wrote): rename it to its name; a checkpoint
+already there is hidden by a rename and deleted in the background.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from ._errors import CheckpointError
+from ._files import fsync_enabled
+from ._manifest import MANIFEST_NAME, read_manifest
+
+
+def temporary_name(final: Path) -> Path:
+    """A fresh temporary folder name next to ``final`` (hidden, unique)."""
+    return final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+def begin(final: Path, temporary: Path) -> str:
+    """Rank 0's first step: ``"ok"`` once ``temporary`` exists, else what went wrong."""
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(final)
+        status = _replaceable(final)
+        if status == "ok":
+            temporary.mkdir(mode=0o700)
+    except OSError as caught:
+        status = f"cannot create {temporary}: {caught}"
+    return status
+
+
+def abandon(temporary: Path) -> None:
+    """Remove a temporary folder whose save failed."""
+    shutil.rmtree(temporary, ignore_errors=True)
+
+
+def list_files(folder: Path) -> dict[str, int]:
+    return {
+        str(path.relative_to(folder)): path.stat().st_size
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+def _replaceable(final: Path) -> str:
+    """ "ok" when a save may put a checkpoint at ``final``, else what is in the way.
+
+    Only a checkpoint (a folder with a manifest), an empty folder or a symbolic link is
+    replaced: a user's file, or a folder of other things (a work_dir passed by mistake),
+    would be deleted with it.
+    """
+    if final.is_symlink() or not final.exists():
+        return "ok"
+    if not final.is_dir():
+        return f"found a file at {final}, not a checkpoint folder; pass another path or remove it"
+    if _is_checkpoint(final) or not any(final.iterdir()):
+        return "ok"
+    return (
+        f"found a folder at {final} that is not a checkpoint (no {MANIFEST_NAME} written by "
+        "comm-strategies in it); a save replaces the folder at its path, so pass another "
+        "path (a new folder inside it, say) or remove the folder"
+    )
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a manifest this package wrote (``manifest.json`` alone is a
+    common name: a web app's or a data set's folder may hold one)."""
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError:  # none, damaged, or another program's
+        return False
+    return "comm-strategies" in manifest.versions
+
+
+def finish(temporary: Path, final: Path) -> None:
+    """Rename the finished folder to its name; a folder already there is replaced.
+
+    The replaced folder is hidden by a rename, then deleted in the background: deleting a
+    large checkpoint (freeing its pages, or many round trips on a network filesystem) is
+    not part of writing the new one, which is complete and visible once renamed.
+    """
+    old = None
+    if final.exists() or final.is_symlink():  # a dangling link is replaced too
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+        os.replace(final, old)
+    os.replace(temporary, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        _delete_later(old)
+
+
+_deleting: dict[Path, threading.Thread] = {}
+_EXIT_WAIT_S = 60.0
+
+
+def _delete_later(folder: Path) -> None:
+    """Delete ``folder`` in a background thread; the interpreter waits for it at exit."""
+    for done in [path for path, thread in _deleting.items() if not thread.is_alive()]:
+        del _deleting[done]
+    thread = threading.Thread(
+        target=_remove_entry,
+        args=(folder,),
+        name="comm-checkpoint-delete",
+        daemon=True,
+    )
+    thread.start()
+    _deleting[folder] = thread
+
+
+@atexit.register
+def _wait_for_deletions() -> None:
+    """Let the background deletions finish at exit, for at most a minute in all (a stuck
+    filesystem must not hold the process; what is left, like a killed process's hidden
+    ``.NAME.old-*`` folder, is removed by the next save under that name)."""
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for thread in list(_deleting.values()):
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _fsync_dir(folder: Path) -> None:
+    if not fsync_enabled():
+        return
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def _remove_stale(final: Path) -> None:
+    """Remove the temporary folders that earlier, killed saves of ``final`` left behind,
+    and replaced copies whose background deletion a killed process did not finish."""
+    name = glob.escape(final.name)  # a name holding *, ? or [ must match only itself
+    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
+        for stale in final.parent.glob(pattern):
+            thread = _deleting.get(stale)
+            if thread is None or not thread.is_alive():  # not being deleted already
+                _remove_entry(stale)
+
+
+def _remove_entry(path: Path) -> None:
+    """Remove a replaced checkpoint: a folder with what it holds, a symbolic link itself
+    (never what it points to); errors are ignored, a later save of the name tries again."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
