@@ -43,6 +43,7 @@ PAGES = {
     "comm_collectives": Page("reference/comm_collectives.md", reexports="comm_core"),
     "comm_wrappers": Page("reference/comm_wrappers.md"),
     "comm_wrappers.deepspeed": Page("reference/comm_wrappers_deepspeed.md"),
+    "comm_wrappers.backends": Page("reference/comm_wrappers_backends.md"),
     "comm_strategies": Page("reference/comm_strategies.md"),
     "comm_strategies.checkpoint": Page("reference/comm_strategies_checkpoint.md"),
 }

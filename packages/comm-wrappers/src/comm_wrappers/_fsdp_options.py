@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import wrap as fsdp_wrap
 
-from .optim import to_dtype
+from ._dtypes import to_dtype
 
 __all__ = [
     "coerce_auto_wrap_policy",

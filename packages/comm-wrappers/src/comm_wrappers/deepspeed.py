@@ -29,6 +29,7 @@ except ImportError as _error:  # pragma: no cover - exercised in an environment 
 from comm_collectives import get_local_rank
 
 from ._model import check_mode_argument, model_parse_losses, preprocess, run_forward, to_device
+from ._param_groups import LrMomentumMixin
 from ._registry import _register_imported, register_model_wrapper
 from .ddp import require_process_group
 
@@ -41,7 +42,7 @@ def _engine_of(model: Any) -> Any:
     return model.model if isinstance(model, MMDeepSpeedEngineWrapper) else model
 
 
-class DeepSpeedOptimWrapper:
+class DeepSpeedOptimWrapper(LrMomentumMixin):
     """The step protocol on a DeepSpeed engine: ``update_params`` = engine backward + step.
 
     Gradient accumulation and clipping follow the engine's config
@@ -118,17 +119,6 @@ class DeepSpeedOptimWrapper:
             raise RuntimeError(message)
         groups: list[dict[str, Any]] = self.optimizer.param_groups
         return groups
-
-    def get_lr(self) -> dict[str, list[float]]:
-        """Return ``{"lr": [lr of each parameter group]}``."""
-        return {"lr": [group["lr"] for group in self.param_groups]}
-
-    def get_momentum(self) -> dict[str, list[float]]:
-        """Return ``{"momentum": [...]}``: each group's momentum, or its first beta, or 0."""
-        values = []
-        for group in self.param_groups:
-            values.append(group.get("momentum", group.get("betas", (0,))[0]))
-        return {"momentum": values}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (its ZeRO partition under ZeRO 1-3)."""

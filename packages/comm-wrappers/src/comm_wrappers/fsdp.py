@@ -16,8 +16,6 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
 )
 
-from comm_collectives import get_comm_device, get_device, is_distributed
-
 from ._fsdp_options import (
     coerce_auto_wrap_policy,
     coerce_enum,
@@ -27,30 +25,12 @@ from ._fsdp_options import (
 )
 from ._registry import register_model_wrapper
 from ._step import StepMixin
+from .backends import rank_device
 from .ddp import require_process_group
 
-__all__ = ["MMFullyShardedDataParallel", "default_device_id"]
+__all__ = ["MMFullyShardedDataParallel"]
 
 _MIXED_PRECISION_FIELDS = tuple(field.name for field in dataclasses.fields(MixedPrecision))
-
-
-def default_device_id(group: Any = None) -> torch.device:
-    """The device FSDP should use: the one its process group communicates on.
-
-    The current accelerator under nccl, the CPU under gloo (also on a machine with a GPU:
-    gloo has no reduce-scatter for CUDA tensors), or the machine's best device when no
-    process group exists. ``group`` is FSDP's ``process_group`` (a group, or the pair of
-    groups of hybrid sharding); None: the default group.
-    """
-    if is_distributed():
-        if isinstance(group, (tuple, list)):
-            group = group[0]
-        return get_comm_device(group if isinstance(group, ProcessGroup) else None)
-    device_type = get_device()
-    if device_type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, device_type)
-    return torch.device(device_type, module.current_device())
 
 
 def _coerce_cpu_offload(value: Any) -> CPUOffload | None:
@@ -73,8 +53,9 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     min_num_params=...)`` or module class names, ``backward_prefetch="BACKWARD_PRE"``,
     ``mixed_precision=dict(param_dtype="bfloat16", ...)`` (or ``"bfloat16"``), and
     ``param_init_fn`` as a callable, a registered name or ``dict(type=name, ...)``. Config
-    objects passed in are never mutated. ``device_id`` defaults to the current accelerator,
-    or the CPU (FSDP1 then runs on gloo). Validation and testing run through the sharded
+    objects passed in are never mutated. ``device_id`` defaults to this rank's device
+    (``comm_wrappers.backends.rank_device`` of ``process_group``): its local rank's
+    accelerator, or the CPU under gloo. Validation and testing run through the sharded
     forward.
 
     Args:
@@ -114,7 +95,7 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         if "device_id" not in kwargs:  # the device of the group FSDP will communicate on
             mesh = kwargs.get("device_mesh")
             group = process_group if mesh is None else mesh.get_group(0)
-            kwargs["device_id"] = default_device_id(group)
+            kwargs["device_id"] = rank_device(group)
         offload = _coerce_cpu_offload(cpu_offload)
         if offload is not None and torch.device(kwargs["device_id"]).type == "cpu":
             # The parameters live on the CPU already, and torch's offload path pins memory,

@@ -14,8 +14,9 @@ from comm_collectives import get_world_size
 from ._fsdp_options import coerce_auto_wrap_policy, coerce_mixed_precision, wrap_predicate
 from ._registry import register_model_wrapper
 from ._step import StepMixin
+from .backends import rank_device
+from .backends._fsdp2 import gradient_sync_off
 from .ddp import require_process_group
-from .fsdp import default_device_id
 
 __all__ = ["MMFullyShardedDataParallel2"]
 
@@ -114,7 +115,7 @@ class MMFullyShardedDataParallel2(StepMixin, nn.Module):
         if policy is not None:
             options["mp_policy"] = policy
         if mesh is None:
-            device = default_device_id()
+            device = rank_device()
             if device.type != "cpu":
                 getattr(torch, device.type).set_device(device)
             mesh = init_device_mesh(device.type, (get_world_size(),))
@@ -131,11 +132,8 @@ class MMFullyShardedDataParallel2(StepMixin, nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate unsharded gradients locally; the next synced backward reduces them."""
-        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
+        with gradient_sync_off(self.module):
             yield
-        finally:
-            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     _infer_through_wrapper = True
 

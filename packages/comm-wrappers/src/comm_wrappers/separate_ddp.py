@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ._registry import register_model_wrapper
+from .backends import rank_device
 from .ddp import MMDistributedDataParallel, require_process_group
-from .fsdp import default_device_id
 
 __all__ = ["MMSeparateDistributedDataParallel"]
 
@@ -62,7 +62,7 @@ class MMSeparateDistributedDataParallel(nn.Module):
             )
             raise ValueError(message)
         super().__init__()
-        device = default_device_id()  # the process group's: CPU under gloo, GPU under nccl
+        device = rank_device()  # the process group's kind: CPU under gloo, GPU under nccl
         if _HAS_FORWARD_SYNC_BUFFERS:
             # torch >= 2.13 deprecates broadcast_buffers for forward_sync_buffers (which
             # still syncs the buffers once, at construction).

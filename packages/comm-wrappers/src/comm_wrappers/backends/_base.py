@@ -29,7 +29,7 @@ from .._registry import is_model_wrapper, module_device, unwrap_model
 from ._device import rank_device
 from ._state import describe_params, has_tensor_state, quiet_torch, to_cpu
 
-__all__ = ["Backend", "clip_norm", "new_grad_scaler"]
+__all__ = ["Backend", "new_grad_scaler"]
 
 
 class Backend:
@@ -99,16 +99,38 @@ class Backend:
             foreach: torch's ``foreach`` implementation choice.
 
         Raises:
-            RuntimeError: The total norm is not finite and ``error_if_nonfinite``; or the
-                parameters are FSDP1 shards but this adapter has not the FSDP model.
+            RuntimeError: The total norm is not finite and ``error_if_nonfinite``; the
+                parameters are FSDP1 shards but the adapter is not FSDP1's (it has not the
+                FSDP model); a DeepSpeed engine (it clips inside its own step).
         """
-        return clip_norm(
-            params,
-            max_norm=max_norm,
-            norm_type=norm_type,
-            error_if_nonfinite=error_if_nonfinite,
-            foreach=foreach,
-        )
+        norm = self._clip(params, max_norm, norm_type, foreach)
+        if error_if_nonfinite and not torch.isfinite(norm).all():
+            message = (
+                f"the total gradient norm is {float(norm)} (not finite) and "
+                "clip_grad has error_if_nonfinite=True"
+            )
+            raise RuntimeError(message)
+        return norm
+
+    def _clip(
+        self, params: list[torch.Tensor], max_norm: float, norm_type: float, foreach: bool | None
+    ) -> torch.Tensor:
+        """Clip by the whole model's norm and return it (DTensors: reduced across ranks).
+
+        A rank's FSDP1 shards are refused: only the FSDP model's own ``clip_grad_norm_``
+        knows the whole model's norm.
+        """
+        if any(getattr(p, "_fsdp_flattened", False) for p in params):
+            message = (
+                "clipping by norm under FSDP needs the model, to use the whole model's norm "
+                "instead of this rank's shard: run the forward inside "
+                "optim_wrapper.optim_context(model), with model the FSDP wrapper itself "
+                "(train_step does), before update_params"
+            )
+            raise RuntimeError(message)
+        norm = nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=foreach)
+        full_tensor = getattr(norm, "full_tensor", None)
+        return full_tensor() if callable(full_tensor) else norm
 
     def grad_scaler(self, device_type: str, **kwargs: Any) -> torch.amp.GradScaler:
         """A gradient scaler for float16 on ``device_type`` (``GradScaler`` keywords)."""
@@ -239,39 +261,6 @@ class Backend:
     def optimizer_not_portable(self) -> str | None:
         """None, or why the optimizer state has no per-parameter full form (DeepSpeed)."""
         return None
-
-
-def clip_norm(
-    params: list[torch.Tensor],
-    *,
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    """``nn.utils.clip_grad_norm_`` that refuses a rank's FSDP1 shard, and reduces DTensors.
-
-    FSDP2's gradients are DTensors: their norm is reduced across the mesh (its full
-    tensor). FSDP1's are flat shards: only the FSDP model's own ``clip_grad_norm_`` knows
-    the whole model's norm.
-    """
-    if any(getattr(p, "_fsdp_flattened", False) for p in params):
-        message = (
-            "clipping by norm under FSDP needs the model, to use the whole model's norm "
-            "instead of this rank's shard: run the forward inside "
-            "optim_wrapper.optim_context(model), with model the FSDP wrapper itself "
-            "(train_step does), before update_params"
-        )
-        raise RuntimeError(message)
-    norm = nn.utils.clip_grad_norm_(
-        params,
-        max_norm=max_norm,
-        norm_type=norm_type,
-        error_if_nonfinite=error_if_nonfinite,
-        foreach=foreach,
-    )
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else norm
 
 
 def new_grad_scaler(device_type: str, *, sharded: bool, **kwargs: Any) -> torch.amp.GradScaler:

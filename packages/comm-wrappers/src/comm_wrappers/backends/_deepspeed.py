@@ -53,20 +53,9 @@ class DeepSpeedBackend(Backend):
     def _stage(self) -> int:
         return int(self.engine.zero_optimization_stage())
 
-    def clip_grad_norm(
-        self,
-        params: list[torch.Tensor],
-        *,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        foreach: bool | None = None,
+    def _clip(
+        self, params: list[torch.Tensor], max_norm: float, norm_type: float, foreach: bool | None
     ) -> torch.Tensor:
-        """Not here: the engine clips in its ``step()``.
-
-        Raises:
-            RuntimeError: Always; set ``gradient_clipping`` in the engine's config.
-        """
         message = (
             "a DeepSpeed engine clips its gradients itself, inside engine.step(): set "
             f"gradient_clipping={max_norm} in its config (DeepSpeedStrategy maps clip_grad "

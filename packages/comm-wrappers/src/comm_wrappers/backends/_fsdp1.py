@@ -62,24 +62,11 @@ class FSDP1Backend(Backend):
         context: AbstractContextManager[None] = self._root().no_sync()
         return context
 
-    def clip_grad_norm(
-        self,
-        params: list[torch.Tensor],
-        *,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        foreach: bool | None = None,
+    def _clip(
+        self, params: list[torch.Tensor], max_norm: float, norm_type: float, foreach: bool | None
     ) -> torch.Tensor:
-        """The root's ``clip_grad_norm_`` (it all-reduces the shards' norms; ``params`` and
-        ``foreach`` are not used); ``error_if_nonfinite`` is checked after it."""
-        norm = self._root().clip_grad_norm_(max_norm, norm_type)
-        if error_if_nonfinite and not torch.isfinite(norm).all():
-            message = (
-                f"the total gradient norm is {float(norm)} (not finite) and "
-                "clip_grad has error_if_nonfinite=True"
-            )
-            raise RuntimeError(message)
+        # The root all-reduces the shards' norms; it clips every parameter itself.
+        norm: torch.Tensor = self._root().clip_grad_norm_(max_norm, norm_type)
         return norm
 
     def grad_scaler(self, device_type: str, **kwargs: Any) -> torch.amp.GradScaler:
