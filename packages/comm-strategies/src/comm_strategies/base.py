@@ -8,6 +8,7 @@ import random
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,6 +30,24 @@ from ._build import (
 )
 
 __all__ = ["Strategy"]
+
+
+@dataclass(frozen=True)
+class SetupContext:
+    """What `Strategy.prepare` knows besides the model and the optimizer, for `_setup`.
+
+    Attributes:
+        names: ``id(parameter) -> name`` of the unwrapped model, to rebuild a built
+            optimizer whose parameters the wrapping replaced.
+        schedulers: Schedulers passed in built (they follow a rebuilt optimizer).
+        dispatch: The runner's facts (``max_iters``, the micro-batch size).
+        compile: `prepare`'s ``compile``.
+    """
+
+    names: Mapping[int, str]
+    schedulers: Sequence[Any]
+    dispatch: Mapping[str, Any]
+    compile: bool | Mapping[str, Any]
 
 
 class Strategy:
@@ -221,14 +240,8 @@ class Strategy:
         module = self._build_model(model)
         names = trainable_names(module)
         schedulers_in = _built_schedulers(param_scheduler)
-        wrapped, optim, target = self._setup(
-            module,
-            optim_wrapper,
-            names=names,
-            schedulers=schedulers_in,
-            dispatch=dispatch,
-            compile=compile,
-        )
+        context = SetupContext(names, schedulers_in, dispatch, compile)
+        wrapped, optim, target = self._setup(module, optim_wrapper, context)
         schedulers = self._build_schedulers(param_scheduler, target)
         max_iters = dispatch.get("max_iters")
         if optim is not None and max_iters is not None:
@@ -273,14 +286,7 @@ class Strategy:
         return model
 
     def _setup(
-        self,
-        model: nn.Module,
-        optim_wrapper: Any,
-        *,
-        names: Mapping[int, str],
-        schedulers: Sequence[Any],
-        dispatch: Mapping[str, Any],
-        compile: bool | Mapping[str, Any],
+        self, model: nn.Module, optim_wrapper: Any, context: SetupContext
     ) -> tuple[nn.Module, Any, Any]:
         """Wrap (and compile) the model, then build the optimizer over its parameters.
 
@@ -290,23 +296,21 @@ class Strategy:
         Args:
             model: The built, unwrapped model.
             optim_wrapper: What `prepare` got (None, a built wrapper or optimizer, a config).
-            names: ``id(parameter) -> name`` of ``model``, to rebuild a built optimizer
-                whose parameters the wrapping replaced.
-            schedulers: Schedulers passed in built (they follow a rebuilt optimizer).
-            dispatch: The runner's facts (``max_iters``, the micro-batch size).
-            compile: `prepare`'s ``compile``.
+            context: What else `prepare` knows.
 
         Returns:
             ``(model, optim_wrapper, optimizer)``: the optimizer is the torch optimizer that
             scheduler configs are built over (None without one).
         """
-        wrapped = self._compile(self._wrap_model(model), compile)
+        wrapped = self._compile(self._wrap_model(model), context.compile)
         if optim_wrapper is None:
             return wrapped, None, None
         optim = build_optim_wrapper(optim_wrapper, wrapped)
         for each in optimizers_of(optim).values():
             if is_optim_wrapper(each) and isinstance(each.optimizer, torch.optim.Optimizer):
-                each.optimizer = rebuild_over(each.optimizer, names, wrapped, schedulers)
+                each.optimizer = rebuild_over(
+                    each.optimizer, context.names, wrapped, context.schedulers
+                )
         target = optim.optimizer if is_optim_wrapper(optim) else None
         return wrapped, optim, target
 
@@ -372,17 +376,13 @@ class Strategy:
         rank waits for the others to enter the call (None: `COMM_CHECKPOINT_TIMEOUT`, or 300).
         """
         self._require_prepared("load_checkpoint")
-        return dict(
-            checkpoint.load_checkpoint(
-                self._resolve(path),
-                model=self.model,
-                strict=strict,
-                load_optimizer=False,
-                load_schedulers=False,
-                load_rng=False,
-                allow_unsafe_pickle=allow_unsafe_pickle,
-                timeout=timeout,
-            )
+        weights_only = {"load_optimizer": False, "load_schedulers": False, "load_rng": False}
+        return self._load(
+            self._resolve(path),
+            strict=strict,
+            allow_unsafe_pickle=allow_unsafe_pickle,
+            timeout=timeout,
+            **weights_only,
         )
 
     def resume(
@@ -392,8 +392,8 @@ class Strategy:
         resume_optimizer: bool = True,
         resume_param_scheduler: bool = True,
         load_rng: bool = True,
-        allow_unsafe_pickle: bool = False,
         timeout: float | None = None,
+        allow_unsafe_pickle: bool = False,
     ) -> dict[str, Any]:
         """Restore model, optimizer, schedulers and RNG states (collective).
 
@@ -421,19 +421,20 @@ class Strategy:
             source = Path(latest)  # already under work_dir (relative when work_dir is)
         else:
             source = self._resolve(path)
-        return dict(
-            checkpoint.load_checkpoint(
-                source,
-                model=self.model,
-                optim_wrapper=self.optim_wrapper,
-                schedulers=self.param_schedulers,
-                load_optimizer=resume_optimizer,
-                load_schedulers=resume_param_scheduler,
-                load_rng=load_rng,
-                allow_unsafe_pickle=allow_unsafe_pickle,
-                timeout=timeout,
-            )
+        return self._load(
+            source,
+            optim_wrapper=self.optim_wrapper,
+            schedulers=self.param_schedulers,
+            load_optimizer=resume_optimizer,
+            load_schedulers=resume_param_scheduler,
+            load_rng=load_rng,
+            allow_unsafe_pickle=allow_unsafe_pickle,
+            timeout=timeout,
         )
+
+    def _load(self, source: Path, **options: Any) -> dict[str, Any]:
+        """`load_checkpoint` of the checkpoint package into the prepared model."""
+        return dict(checkpoint.load_checkpoint(source, model=self.model, **options))
 
     def model_state_dict(self) -> dict[str, Any]:
         """The full, unprefixed model state on the CPU, on every rank (collective)."""

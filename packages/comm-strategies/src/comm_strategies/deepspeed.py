@@ -6,6 +6,7 @@ import copy
 import json
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,25 +15,25 @@ from torch import nn
 from comm_wrappers import AmpOptimWrapper, OptimWrapper
 
 from ._build import build_optimizer, is_optim_wrapper
-from .base import Strategy
+from .base import SetupContext, Strategy
 
 __all__ = ["DeepSpeedStrategy"]
 
 
 def _load_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
+    """A deep copy of the config dict, the JSON object of the file it names, or ``{}``."""
     if config is None:
         return {}
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as file:
-            loaded = json.load(file)
-        if not isinstance(loaded, dict):
-            message = f"the DeepSpeed config file {os.fspath(config)!r} must hold a JSON object"
-            raise ValueError(message)
-        return loaded
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
-    message = f"config must be a dict, a JSON file path or None, got {type(config).__name__}"
-    raise TypeError(message)
+    if not isinstance(config, (str, os.PathLike)):
+        message = f"config must be a dict, a JSON file path or None, got {type(config).__name__}"
+        raise TypeError(message)
+    loaded = json.loads(Path(config).read_text())
+    if isinstance(loaded, dict):
+        return loaded
+    message = f"the DeepSpeed config file {os.fspath(config)!r} must hold a JSON object"
+    raise ValueError(message)
 
 
 class DeepSpeedStrategy(Strategy):
@@ -149,17 +150,11 @@ class DeepSpeedStrategy(Strategy):
         return config
 
     def _setup(
-        self,
-        model: nn.Module,
-        optim_wrapper: Any,
-        *,
-        names: Mapping[int, str],
-        schedulers: Sequence[Any],
-        dispatch: Mapping[str, Any],
-        compile: bool | Mapping[str, Any],
+        self, model: nn.Module, optim_wrapper: Any, context: SetupContext
     ) -> tuple[nn.Module, Any, Any]:
         """Build the DeepSpeed engine: it places and wraps the model with the optimizer."""
-        model = self._compile(model, compile)
+        model = self._compile(model, context.compile)
+        dispatch = context.dispatch
         try:
             from comm_wrappers.deepspeed import initialize
         except ImportError as error:

@@ -71,9 +71,10 @@ def register_strategy(
     if not (isinstance(strategy, type) and issubclass(strategy, Strategy)):
         message = f"register_strategy expects a subclass of Strategy, got {strategy!r}"
         raise TypeError(message)
-    if name in _REGISTRY and not override:
+    taken = _REGISTRY.get(name)
+    if taken is not None and not override:
         message = (
-            f"strategy {name!r} is registered already ({_REGISTRY[name].strategy.__name__}); "
+            f"strategy {name!r} is registered already ({taken.strategy.__name__}); "
             "pass override=True to replace it"
         )
         raise ValueError(message)

@@ -15,8 +15,8 @@ from comm_collectives import get_comm_device, get_device, get_rank, get_world_si
 from comm_collectives.doctor import CheckResult
 
 from ._model import LossModel
+from ._optim_wrapper import OptimWrapper
 from .ddp import MMDistributedDataParallel
-from .optim import OptimWrapper
 
 __all__ = ["check"]
 

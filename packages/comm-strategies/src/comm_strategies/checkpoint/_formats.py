@@ -33,22 +33,19 @@ from ._params import check_against, describe_params, fit_names
 
 Optimizers = Mapping[str, torch.optim.Optimizer]
 
-# What torch says on every FSDP1 sharded state dict and every DCP call without a group:
-# facts about torch's internals, not about the user's checkpoint.
-_TORCH_NOISE = (
-    "Please use DTensor instead",
-    "_get_pg_default_device",
-    "Multiple backends are registered",
-    "torch.distributed is disabled, unavailable or uninitialized",
+# What torch says on DCP calls without a group or with several backends: facts about
+# torch's internals, not about the user's checkpoint.
+_DCP_NOISE = (
+    r".*(?:_get_pg_default_device|Multiple backends are registered|Please use DTensor instead"
+    r"|torch\.distributed is disabled, unavailable or uninitialized)"
 )
 
 
 @contextlib.contextmanager
 def quiet_torch() -> Iterator[None]:
-    """Silence torch's internal deprecation chatter during DCP calls."""
+    """Silence torch's internal chatter during DCP calls."""
     with warnings.catch_warnings():
-        for text in _TORCH_NOISE:
-            warnings.filterwarnings("ignore", message=f".*{text}")
+        warnings.filterwarnings("ignore", message=_DCP_NOISE)
         yield
 
 

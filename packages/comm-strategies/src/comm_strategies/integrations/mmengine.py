@@ -315,8 +315,8 @@ class MMEngineStrategyMixin(Strategy):
         filename: str | os.PathLike[str],
         *,
         resume_optimizer: bool = True,
-        resume_param_scheduler: bool = True,
         map_location: Any = "default",
+        resume_param_scheduler: bool = True,
         callback: Callable[[dict[str, Any]], None] | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
