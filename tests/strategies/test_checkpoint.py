@@ -327,3 +327,35 @@ def test_a_failure_capturing_state_on_one_rank_is_an_error_on_every_rank(
         assert "rank 0" in message, message
         assert "this scheduler cannot be saved" in message, message
     assert not (tmp_path / "broken").exists()
+
+
+def _moments(optim: Any) -> float:
+    """The sum of every Adam moment of the engine's inner optimizer (its flat partitions)."""
+    state = cases.torch_optimizer(optim).state
+    return float(sum(v["exp_avg"].abs().sum() for v in state.values()))
+
+
+def native_folder_restores_the_engines_optimizer(root: str) -> tuple[float, float, float]:
+    """DeepSpeed's own folder into the engine, no optim wrapper passed: the engine owns its
+    optimizer, so its moments come back with the weights (load_optimizer=True)."""
+    from comm_strategies.checkpoint import load_checkpoint
+
+    model, optim = cases.build("zero1")
+    cases.train_steps(model, optim, range(2))
+    model.model.save_checkpoint(f"{root}/own", tag="step2")
+    saved = _moments(optim)
+    cases.train_steps(model, optim, range(2, 5))
+    moved = _moments(optim)
+    load_checkpoint(f"{root}/own", model=model)
+    return saved, moved, _moments(optim)
+
+
+def test_deepspeeds_own_folder_restores_the_engines_optimizer(
+    comm_pools: Any, tmp_path: Path
+) -> None:
+    results = comm_pools.get(2).run(
+        native_folder_restores_the_engines_optimizer, str(tmp_path), timeout=120
+    )
+    for saved, moved, restored in results:
+        assert moved != saved  # three more steps changed the moments
+        assert restored == saved

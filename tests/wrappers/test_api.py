@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -628,3 +630,45 @@ def test_to_device_moves_only_what_is_elsewhere() -> None:
     assert torch.equal(moved[0], nested[0])
     # a model on the meta device (built before materialisation): the batch is left alone
     assert to_device(nested, torch.device("meta")) is nested
+
+
+def test_a_nonfinite_norm_raises_before_any_gradient_is_scaled() -> None:
+    # torch checks error_if_nonfinite before it scales: the gradients stay as they were
+    model = nn.Linear(2, 1)
+    wrapper = OptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        clip_grad={"max_norm": 1.0, "error_if_nonfinite": True},
+    )
+    model.weight.grad = torch.ones(1, 2)
+    model.bias.grad = torch.tensor([float("inf")])
+    with pytest.raises(RuntimeError, match="non-finite"):
+        wrapper.step()
+    assert model.weight.grad.tolist() == [[1.0, 1.0]]
+    assert wrapper.optimizer.state == {}  # and the step did not run
+
+
+class _OwnNoSync(nn.Module):
+    """A wrapper of the user's own with a ``no_sync()``: accumulation must enter it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 1)
+        self.entered = 0
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.inner(inputs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.entered += 1
+        yield
+
+
+def test_a_models_own_no_sync_is_entered_on_the_micro_steps() -> None:
+    model = _OwnNoSync()
+    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=2)
+    for _ in range(4):
+        with wrapper.optim_context(model):
+            loss = model(torch.ones(1, 2)).sum()
+        wrapper.update_params(loss)
+    assert model.entered == 2  # micro-steps 1 and 3 skip the sync; 2 and 4 sync

@@ -11,8 +11,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-# Segments a wrapper inserts anywhere in a name.
-_INSERTED = re.compile(r"(?:_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
+# Segments a wrapper inserts anywhere in a name (whole segments: ``x_orig_mod.w`` keeps its).
+_INSERTED = re.compile(
+    r"(?:^|(?<=\.))(?:_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\."
+)
 # Prefixes a wrapper (DDP, MMEngine's model wrappers) puts in front of every name.
 _LEADING = re.compile(r"^(?:module\.|model\.module\.)+")
 

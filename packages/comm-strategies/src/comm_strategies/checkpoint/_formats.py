@@ -273,7 +273,8 @@ class DeepSpeedFormat:
             (manifest.zero_stage, manifest.world_size),
             backend,
             request,
-            lambda why: _cannot_move(manifest, source, backend, why),
+            cannot_move=lambda why: _cannot_move(manifest, source, backend, why),
+            load_optimizer=bool(request.optimizers),
         )
 
 
@@ -283,10 +284,17 @@ def load_native_folder(
     layout: tuple[int | None, int | None],
     backend: Backend,
     request: LoadRequest,
+    *,
     cannot_move: Callable[[str], CheckpointError],
+    load_optimizer: bool,
 ) -> None:
     """A DeepSpeed folder saved with ``layout`` = (ZeRO stage, world size): natively into an
-    engine of that layout, else its weights consolidated (its optimizer state cannot move)."""
+    engine of that layout, else its weights consolidated (its optimizer state cannot move).
+
+    ``load_optimizer`` is what the engine loads natively: the engine owns its optimizer,
+    so a folder of DeepSpeed's own loads it even without an optimizer wrapper passed; the
+    optimizers of ``request`` are those that must move (a refusal when they cannot).
+    """
     stage, world = layout
     same_engine = (
         backend.engine is not None
@@ -300,7 +308,7 @@ def load_native_folder(
             save_dir,
             tag,
             strict=request.strict,
-            load_optimizer=bool(request.optimizers),
+            load_optimizer=load_optimizer,
             allow_unsafe_pickle=unsafe,
         )
         return

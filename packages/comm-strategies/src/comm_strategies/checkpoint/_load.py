@@ -92,7 +92,7 @@ def load_checkpoint(
         message = f"checkpoint {source} does not exist"
         raise CheckpointError(message)
     if not (source / MANIFEST_NAME).is_file() and ds_files.is_deepspeed_folder(source):
-        _load_deepspeed_folder(source, backend, request)
+        _load_deepspeed_folder(source, backend, request, load_optimizer)
         return {}
     manifest = read_manifest(source)
     request = LoadRequest(
@@ -153,7 +153,9 @@ def _describe(data: Any) -> str:
     return f"a {type(data).__name__}"
 
 
-def _load_deepspeed_folder(source: Path, backend: Backend, request: LoadRequest) -> None:
+def _load_deepspeed_folder(
+    source: Path, backend: Backend, request: LoadRequest, load_optimizer: bool
+) -> None:
     """DeepSpeed's own folder: natively into an engine of its layout, else consolidated."""
     save_dir, tag = ds_files.split_folder(source)
     stage, world = ds_files.native_layout(save_dir / tag)
@@ -170,7 +172,15 @@ def _load_deepspeed_folder(source: Path, backend: Backend, request: LoadRequest)
         )
         return CheckpointError(message)
 
-    load_native_folder(save_dir, tag, (stage, world), backend, request, cannot_move)
+    load_native_folder(
+        save_dir,
+        tag,
+        (stage, world),
+        backend,
+        request,
+        cannot_move=cannot_move,
+        load_optimizer=load_optimizer,
+    )
 
 
 def _load_scalers(source: Path, optim_wrapper: Any, unsafe: bool) -> None:

@@ -27,8 +27,9 @@ def refuse_unportable(backend: Backend, what: str) -> None:
     why = backend.optimizer_not_portable()
     if why is not None:
         message = (
-            f"{what}: {why}. Save it with save_checkpoint (its natural format), or move the "
-            "weights only (load_optimizer=False / optim_wrapper=None)."
+            f"{what}: {why}. Save it with save_checkpoint in its natural format "
+            f"({backend.format_for(None)!r}), or move the weights only "
+            "(load_optimizer=False / optim_wrapper=None)."
         )
         raise CheckpointError(message)
 

@@ -73,11 +73,18 @@ class Backend:
 
     # ------------------------------------------------------------------ the step
     def no_sync(self) -> AbstractContextManager[None]:
-        """Skip the gradient sync for one forward/backward (nothing to skip here).
+        """Skip the gradient sync for one forward/backward.
+
+        A plain module has none to skip, unless it is a wrapper of its own with a
+        ``no_sync()`` method: that is entered.
 
         Raises:
             ValueError: DDP with ``static_graph=True`` (torch cannot skip its sync).
         """
+        own = getattr(self.model, "no_sync", None)
+        if callable(own):
+            context: AbstractContextManager[None] = own()
+            return context
         return contextlib.nullcontext()
 
     def clip_grad_norm(
@@ -103,7 +110,7 @@ class Backend:
                 parameters are FSDP1 shards but the adapter is not FSDP1's (it has not the
                 FSDP model); a DeepSpeed engine (it clips inside its own step).
         """
-        norm = self._clip(params, max_norm, norm_type, foreach)
+        norm = self._clip(params, max_norm, norm_type, foreach, error_if_nonfinite)
         if error_if_nonfinite and not torch.isfinite(norm).all():
             message = (
                 f"the total gradient norm is {float(norm)} (not finite) and "
@@ -113,12 +120,18 @@ class Backend:
         return norm
 
     def _clip(
-        self, params: list[torch.Tensor], max_norm: float, norm_type: float, foreach: bool | None
+        self,
+        params: list[torch.Tensor],
+        max_norm: float,
+        norm_type: float,
+        foreach: bool | None,
+        error_if_nonfinite: bool,
     ) -> torch.Tensor:
         """Clip by the whole model's norm and return it (DTensors: reduced across ranks).
 
-        A rank's FSDP1 shards are refused: only the FSDP model's own ``clip_grad_norm_``
-        knows the whole model's norm.
+        torch checks ``error_if_nonfinite`` before it scales anything: the gradients are
+        left as they were when it raises. A rank's FSDP1 shards are refused: only the FSDP
+        model's own ``clip_grad_norm_`` knows the whole model's norm.
         """
         if any(getattr(p, "_fsdp_flattened", False) for p in params):
             message = (
@@ -128,7 +141,9 @@ class Backend:
                 "(train_step does), before update_params"
             )
             raise RuntimeError(message)
-        norm = nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=foreach)
+        norm = nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+        )
         full_tensor = getattr(norm, "full_tensor", None)
         return full_tensor() if callable(full_tensor) else norm
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
@@ -50,11 +51,21 @@ class DeepSpeedBackend(Backend):
         module: nn.Module = self.engine.module
         return module
 
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Nothing to enter: the engine accumulates by its config's
+        ``gradient_accumulation_steps`` (its own ``no_sync`` refuses ZeRO 2 and 3)."""
+        return contextlib.nullcontext()
+
     def _stage(self) -> int:
         return int(self.engine.zero_optimization_stage())
 
     def _clip(
-        self, params: list[torch.Tensor], max_norm: float, norm_type: float, foreach: bool | None
+        self,
+        params: list[torch.Tensor],
+        max_norm: float,
+        norm_type: float,
+        foreach: bool | None,
+        error_if_nonfinite: bool,
     ) -> torch.Tensor:
         message = (
             "a DeepSpeed engine clips its gradients itself, inside engine.step(): set "

@@ -63,9 +63,15 @@ class FSDP1Backend(Backend):
         return context
 
     def _clip(
-        self, params: list[torch.Tensor], max_norm: float, norm_type: float, foreach: bool | None
+        self,
+        params: list[torch.Tensor],
+        max_norm: float,
+        norm_type: float,
+        foreach: bool | None,
+        error_if_nonfinite: bool,
     ) -> torch.Tensor:
-        # The root all-reduces the shards' norms; it clips every parameter itself.
+        # The root all-reduces the shards' norms; it clips every parameter itself (it takes
+        # no error_if_nonfinite: the norm is checked after, by clip_grad_norm).
         norm: torch.Tensor = self._root().clip_grad_norm_(max_norm, norm_type)
         return norm
 

@@ -46,8 +46,8 @@ def backend_of(model: Any) -> Backend:
     """
     if not isinstance(model, nn.Module):
         message = (
-            "backend_of expects the nn.Module to train or checkpoint (a module, or a DDP, "
-            f"FSDP or DeepSpeed wrapper), got {type(model).__name__}"
+            "model must be the nn.Module a strategy prepared, or any module to train or "
+            f"checkpoint (a module, or a DDP, FSDP or DeepSpeed wrapper), got {type(model).__name__}"
         )
         raise TypeError(message)
     engine = engine_of(model)
