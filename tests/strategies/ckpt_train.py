@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 import comm_core  # noqa: E402
 from comm_strategies.checkpoint import _save, find_latest, load_checkpoint, save_checkpoint  # noqa: E402
-from tests.strategies.ckpt_cases import build, full_params, strategy_of, torch_optimizer  # noqa: E402
+from tests.helpers import full_params  # noqa: E402
+from tests.strategies.ckpt_models import build, strategy_of, torch_optimizer  # noqa: E402
 from tests.wrappers.net import batch  # noqa: E402
 
 

@@ -1,19 +1,48 @@
 """The checkpoint contract on 2 real gloo ranks: every save x load pair, resume, errors.
 
-The worlds are shared: one module-scoped run saves a checkpoint under every wrapper kind
-(plus plain .pth files and DeepSpeed's own folders), then each test loads from that set.
+Each rank body (a module-level function that ``comm_pools.get(N).run`` runs on every rank)
+stands just above the test that asserts on its results. The worlds are shared: one
+module-scoped run saves a checkpoint under every wrapper kind (plus plain .pth files and
+DeepSpeed's own folders), then each test loads from that set. Models are built by
+tests/strategies/ckpt_models.py and compared with ``full_params``, independent of the code
+under test (it gathers FSDP shards; DeepSpeed's ``GatheredParameters`` gathers ZeRO-3).
 Set ``COMM_CKPT_MATRIX_OUT`` to a file path to get the measured matrix as markdown.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from . import ckpt_cases as cases
+import comm_collectives as dist
+from comm_strategies.checkpoint import (
+    CheckpointError,
+    _publish,
+    full_model_state_dict,
+    full_optim_state_dict,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
+from comm_wrappers import MMFullyShardedDataParallel2
+from tests.helpers import full_params, max_diff
+from tests.strategies.ckpt_models import (
+    KINDS,
+    build,
+    expected_of,
+    keep_expected,
+    strategy_of,
+    torch_optimizer,
+    train_step,
+    train_steps,
+)
+from tests.wrappers.net import Net
 
 EXACT = 1e-6
 PLAIN = ["bare.pth", "mmengine.pth"]
@@ -22,15 +51,92 @@ NATIVE = ["ds_0", "ds_1", "ds_2", "ds_3"]
 FULL = ["fsdp_full", "fsdp2_full"]
 
 
+# ------------------------------------------------------------------- the matrix
+
+
+def save_every_kind(root: str, kinds: list[str]) -> None:
+    """Train a model of each kind 2 steps and save it in its natural format.
+
+    A kind ending in ``_full`` saves a full checkpoint (``sharded=False``) instead.
+    """
+    for name in kinds:
+        kind = name.removesuffix("_full")
+        model, optim = build(kind)
+        train_steps(model, optim, range(2))
+        save_checkpoint(
+            f"{root}/{name}",
+            model=model,
+            optim_wrapper=optim,
+            strategy=strategy_of(kind),
+            sharded=False if name.endswith("_full") else None,
+        )
+        keep_expected(root, name, full_params(model))
+
+
+def write_plain_files(root: str, source: str) -> None:
+    """A bare state dict and MMEngine's {"state_dict": ..., "meta": ...} with module. prefixes."""
+    expected = expected_of(root, source)
+    keep_expected(root, "bare.pth", expected)
+    keep_expected(root, "mmengine.pth", expected)
+    if dist.get_rank() == 0:
+        torch.save(expected, f"{root}/bare.pth")
+        prefixed = {f"module.{name}": value for name, value in expected.items()}
+        torch.save({"state_dict": prefixed, "meta": {"epoch": 3}}, f"{root}/mmengine.pth")
+    dist.barrier()
+
+
+def save_deepspeed_native(root: str) -> None:
+    """DeepSpeed's own save_checkpoint folders (no manifest), ZeRO 0-3."""
+    for stage in range(4):
+        model, optim = build(f"zero{stage}")
+        train_steps(model, optim, range(2))
+        model.model.save_checkpoint(f"{root}/ds_{stage}", tag="global_step2")
+        keep_expected(root, f"ds_{stage}", full_params(model))
+
+
 @pytest.fixture(scope="module")
 def saved(comm_pools: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A folder with one checkpoint per kind, two plain files and DeepSpeed's folders."""
     root = str(tmp_path_factory.mktemp("saved"))
     pool = comm_pools.get(2)
-    pool.run(cases.save_every_kind, root, cases.KINDS + FULL, timeout=300)
-    pool.run(cases.write_plain_files, root, "fsdp2", timeout=60)
-    pool.run(cases.save_deepspeed_native, root, timeout=300)
+    pool.run(save_every_kind, root, KINDS + FULL, timeout=300)
+    pool.run(write_plain_files, root, "fsdp2", timeout=60)
+    pool.run(save_deepspeed_native, root, timeout=300)
     return root
+
+
+def load_every_kind(
+    root: str, sources: list[str], targets: list[str]
+) -> dict[str, dict[str, float]]:
+    """Load each source checkpoint into a fresh model of each target kind.
+
+    Returns ``{target: {source: max |diff|}}``; a fresh model first differs from every
+    source (checked), so a load that did nothing cannot pass.
+    """
+    expected = {source: expected_of(root, source) for source in sources}
+    out: dict[str, dict[str, float]] = {}
+    for target in targets:
+        model, optim = build(target, seed=123)
+        before = full_params(model)
+        row = {}
+        for source in sources:
+            assert max_diff(before, expected[source]) > 1e-2, (target, source)
+            path = f"{root}/{source}"
+            manifest_path = Path(path) / "manifest.json"
+            # DeepSpeed's ZeRO optimizer state moves only to the same stage and world size.
+            cross_ds = (target.startswith("zero") or source.startswith("zero")) and (
+                target != source or not manifest_path.exists() or dist.get_world_size() != 2
+            )
+            load_checkpoint(
+                path,
+                model=model,
+                optim_wrapper=optim,
+                load_optimizer=not cross_ds and manifest_path.exists(),
+                allow_unsafe_pickle=source.startswith(("zero", "ds_")),
+            )
+            row[source] = max_diff(full_params(model), expected[source])
+        out[target] = row
+    return out
 
 
 def _report(title: str, matrix: dict[str, dict[str, float]]) -> None:
@@ -47,8 +153,8 @@ def _report(title: str, matrix: dict[str, dict[str, float]]) -> None:
 
 
 def test_every_kind_loads_every_kind_world_2(comm_pools: Any, saved: str) -> None:
-    sources = cases.KINDS + FULL + PLAIN + NATIVE
-    results = comm_pools.get(2).run(cases.load_every_kind, saved, sources, cases.KINDS, timeout=600)
+    sources = KINDS + FULL + PLAIN + NATIVE
+    results = comm_pools.get(2).run(load_every_kind, saved, sources, KINDS, timeout=600)
     for matrix in results:
         for target, row in matrix.items():
             for source, diff in row.items():
@@ -60,9 +166,9 @@ def test_every_kind_loads_every_kind_world_2(comm_pools: Any, saved: str) -> Non
 
 def test_loads_at_world_size_1(comm_pools: Any, saved: str) -> None:
     """Saved by 2 ranks, loaded by 1: full files, DCP (resharded) and DeepSpeed (consolidated)."""
-    sources = cases.KINDS + FULL + PLAIN + NATIVE
+    sources = KINDS + FULL + PLAIN + NATIVE
     targets = ["single", "fsdp2", "zero3"]
-    [matrix] = comm_pools.get(1).run(cases.load_every_kind, saved, sources, targets, timeout=600)
+    [matrix] = comm_pools.get(1).run(load_every_kind, saved, sources, targets, timeout=600)
     for target, row in matrix.items():
         for source, diff in row.items():
             assert diff <= EXACT, (source, target, diff)
@@ -71,11 +177,9 @@ def test_loads_at_world_size_1(comm_pools: Any, saved: str) -> None:
 
 def test_loads_at_world_size_3(comm_pools: Any, saved: str) -> None:
     """Saved by 2 ranks, loaded by 3: DCP reshards unevenly (a rank holds empty shards)."""
-    sources = cases.KINDS + FULL
+    sources = KINDS + FULL
     targets = ["fsdp2", "zero3"]
-    [matrix, *_] = comm_pools.get(3).run(
-        cases.load_every_kind, saved, sources, targets, timeout=600
-    )
+    [matrix, *_] = comm_pools.get(3).run(load_every_kind, saved, sources, targets, timeout=600)
     for target, row in matrix.items():
         for source, diff in row.items():
             assert diff <= EXACT, (source, target, diff)
@@ -86,11 +190,32 @@ def test_full_save_of_fsdp_at_world_size_3(comm_pools: Any, tmp_path: Path) -> N
     """Uneven and empty shards gathered to rank 0 (head.bias: 2 rows over 3 ranks)."""
     root = str(tmp_path)
     pool = comm_pools.get(3)
-    pool.run(cases.save_every_kind, root, FULL, timeout=300)
-    [matrix, *_] = pool.run(cases.load_every_kind, root, FULL, ["single", "fsdp2"], timeout=300)
+    pool.run(save_every_kind, root, FULL, timeout=300)
+    [matrix, *_] = pool.run(load_every_kind, root, FULL, ["single", "fsdp2"], timeout=300)
     for target, row in matrix.items():
         for source, diff in row.items():
             assert diff <= EXACT, (source, target, diff)
+
+
+def optimizer_crossing(root: str, pairs: list[tuple[str, str]]) -> dict[str, float]:
+    """Resume on another kind: optimizer state crosses too; 2 more steps equal the source's."""
+    out = {}
+    for source, target in pairs:
+        model, optim = build(source)
+        train_steps(model, optim, range(2))
+        path = save_checkpoint(
+            f"{root}/opt_{source}_{target}",
+            model=model,
+            optim_wrapper=optim,
+            strategy=strategy_of(source),
+        )
+        train_steps(model, optim, range(2, 4))
+        expected = full_params(model)
+        resumed, resumed_optim = build(target, seed=99)
+        load_checkpoint(path, model=resumed, optim_wrapper=resumed_optim)
+        train_steps(resumed, resumed_optim, range(2, 4))
+        out[f"{source}->{target}"] = max_diff(full_params(resumed), expected)
+    return out
 
 
 def test_optimizer_state_crosses_between_torch_wrappers(comm_pools: Any, tmp_path: Path) -> None:
@@ -101,11 +226,69 @@ def test_optimizer_state_crosses_between_torch_wrappers(comm_pools: Any, tmp_pat
         ("ddp", "fsdp2"),
         ("fsdp2", "zero0"),  # ZeRO-0 in fp32 steps the client torch optimizer
     ]
-    for result in comm_pools.get(2).run(
-        cases.optimizer_crossing, str(tmp_path), pairs, timeout=300
-    ):
+    for result in comm_pools.get(2).run(optimizer_crossing, str(tmp_path), pairs, timeout=300):
         for pair, diff in result.items():
             assert diff <= EXACT, (pair, diff)
+
+
+# ----------------------------------------------------------------------- resume
+
+
+def resume_equals_uninterrupted(root: str, kind: str, amp: bool = False) -> dict[str, Any]:
+    """Save after 3 steps, continue 3: a fresh model loaded from the save ends the same."""
+    model, optim = build(kind, amp=amp)
+    scheduler = torch.optim.lr_scheduler.StepLR(torch_optimizer(optim), step_size=2, gamma=0.5)
+    rank = dist.get_rank()
+    for step in range(3):
+        train_step(model, optim, step)
+        scheduler.step()
+    random.seed(rank)
+    torch.manual_seed(rank + 7)
+    path = save_checkpoint(
+        f"{root}/resume_{kind}",
+        model=model,
+        optim_wrapper=optim,
+        schedulers=[scheduler],
+        strategy=strategy_of(kind),
+        extra={"step": 3, "note": "three steps"},
+    )
+    draws = (torch.rand(3), random.random())
+    lrs = []
+    for step in range(3, 6):
+        train_step(model, optim, step)
+        scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    expected = full_params(model)
+
+    resumed, resumed_optim = build(kind, seed=5, amp=amp)
+    resumed_scheduler = torch.optim.lr_scheduler.StepLR(
+        torch_optimizer(resumed_optim), step_size=2, gamma=0.5
+    )
+    torch.manual_seed(1234)  # the load must bring the saved RNG state back
+    random.seed(1234)
+    extra = load_checkpoint(
+        path,
+        model=resumed,
+        optim_wrapper=resumed_optim,
+        schedulers=[resumed_scheduler],
+    )  # DeepSpeed's own files too: read with weights_only, DeepSpeed's records allowed
+    resumed_draws = (torch.rand(3), random.random())
+    resumed_lrs = []
+    for step in range(extra["step"], 6):
+        train_step(resumed, resumed_optim, step)
+        resumed_scheduler.step()
+        resumed_lrs.append(resumed_scheduler.get_last_lr()[0])
+    manifest = read_manifest(path)
+    return {
+        "diff": max_diff(full_params(resumed), expected),
+        "moved": max_diff(expected, full_params(build(kind, seed=5)[0])),
+        "draws": bool(torch.equal(draws[0], resumed_draws[0])) and draws[1] == resumed_draws[1],
+        "lrs": (lrs, resumed_lrs),
+        "extra": extra,
+        "format": manifest.format,
+        "scaler": manifest.has_scaler,
+        "files": sorted(manifest.files),
+    }
 
 
 @pytest.mark.parametrize(
@@ -116,7 +299,7 @@ def test_resume_equals_the_run_that_never_stopped(
 ) -> None:
     expected_format = {"fsdp": "dcp", "fsdp2": "dcp", "single": "full", "ddp": "full"}
     for result in comm_pools.get(2).run(
-        cases.resume_equals_uninterrupted, str(tmp_path), kind, timeout=300
+        resume_equals_uninterrupted, str(tmp_path), kind, timeout=300
     ):
         assert result["diff"] == 0.0
         assert result["moved"] > 1e-2  # the fresh model started elsewhere
@@ -131,33 +314,115 @@ def test_resume_equals_the_run_that_never_stopped(
 
 def test_amp_scaler_state_round_trips(comm_pools: Any, tmp_path: Path) -> None:
     for result in comm_pools.get(2).run(
-        cases.resume_equals_uninterrupted, str(tmp_path), "ddp", amp=True, timeout=300
+        resume_equals_uninterrupted, str(tmp_path), "ddp", amp=True, timeout=300
     ):
         assert result["diff"] == 0.0
         assert result["scaler"] is False  # bf16 autocast on CPU needs no scaler
         assert result["draws"]
 
 
+# --------------------------------------------------------- errors on every rank
+
+
+def rank0_alone(root: str) -> str:
+    """Rank 0 calls save alone: a clear error after the timeout, not a hang."""
+    model, _ = build("ddp")
+    if dist.get_rank() != 0:
+        return ""
+    try:
+        save_checkpoint(f"{root}/alone", model=model, strategy="ddp", timeout=2)
+    except CheckpointError as error:
+        return str(error)
+    return "no error"
+
+
+def rank0_alone_leaves_nothing(root: str) -> list[str]:
+    dist.barrier()
+    return sorted(os.listdir(root))
+
+
+def save_and_load_after(root: str) -> Any:
+    """A collective save and load after a failed call: every rank's numbering agrees."""
+    model, _ = build("ddp")
+    save_checkpoint(f"{root}/after", model=model, strategy="ddp", extra={"step": 5}, timeout=20)
+    return load_checkpoint(f"{root}/after", model=build("ddp")[0], timeout=20)
+
+
 def test_save_on_rank_0_alone_is_an_error_not_a_hang(comm_pools: Any, tmp_path: Path) -> None:
     pool = comm_pools.get(2)
-    messages = pool.run(cases.rank0_alone, str(tmp_path), timeout=60)
+    messages = pool.run(rank0_alone, str(tmp_path), timeout=60)
     assert "rank(s) [1] did not reach 'enter' within 2 s" in messages[0]
     assert "Every rank must call save_checkpoint" in messages[0]
     # Nothing was created, and the world is still usable.
-    assert pool.run(cases.rank0_alone_leaves_nothing, str(tmp_path), timeout=60) == [[], []]
+    assert pool.run(rank0_alone_leaves_nothing, str(tmp_path), timeout=60) == [[], []]
     # Rank 0 withdrew its entry: the next collective save and load work on both ranks.
-    assert pool.run(cases.save_and_load_after, str(tmp_path), timeout=60) == [{"step": 5}] * 2
+    assert pool.run(save_and_load_after, str(tmp_path), timeout=60) == [{"step": 5}] * 2
+
+
+def outcome_wait_is_bounded() -> tuple[str, float]:
+    """Rank 0 waits for the ranks' outcome flag, which rank 1 sends only 4 s later: rank 0
+    raises after its 1 s bound; rank 1's late flag then completes rank 0's pending one."""
+    from comm_strategies.checkpoint._consensus import Call
+
+    call = Call("save_checkpoint", 30.0)
+    if dist.get_rank() != 0:
+        time.sleep(4.0)
+        call.vote("done", None, timeout=30.0)
+        return "", 0.0
+    start = time.monotonic()
+    try:
+        call.vote("done", None, timeout=1.0)
+    except CheckpointError as error:
+        return str(error), time.monotonic() - start
+    return "no error", time.monotonic() - start
 
 
 def test_the_wait_for_the_ranks_outcome_is_bounded(comm_pools: Any) -> None:
     pool = comm_pools.get(2)
-    (message, took), _ = pool.run(cases.outcome_wait_is_bounded, timeout=60)
+    (message, took), _ = pool.run(outcome_wait_is_bounded, timeout=60)
     assert "rank 0 waited 1 s at step 'done' for the other ranks' outcome" in message
     assert took < 3.0
 
 
+def errors_on_every_rank(root: str) -> dict[str, str]:
+    """Another model's manifest, a truncated file, different paths: errors on every rank."""
+    out = {}
+    model, optim = build("fsdp2")
+    train_steps(model, optim, range(1))
+    path = save_checkpoint(f"{root}/good", model=model, strategy="fsdp2", sharded=False)
+
+    class Wider(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(8, 3)
+
+    other = MMFullyShardedDataParallel2(Wider())
+    try:
+        load_checkpoint(path, model=other)
+    except CheckpointError as error:
+        out["other_model"] = str(error)
+    dist.barrier()  # every rank is done reading before rank 0 cuts the file
+    if dist.get_rank() == 0:
+        data = (path / "model.pt").read_bytes()
+        (path / "model.pt").write_bytes(data[: len(data) // 2])
+    dist.barrier()
+    try:
+        load_checkpoint(path, model=build("fsdp2")[0])
+    except CheckpointError as error:
+        out["truncated"] = str(error)
+    try:
+        save_checkpoint(f"{root}/rank{dist.get_rank()}", model=model, strategy="fsdp2")
+    except CheckpointError as error:
+        out["paths"] = str(error)
+    try:
+        load_checkpoint(f"{root}/ds_unsafe", model=build("ddp")[0])
+    except CheckpointError as error:
+        out["missing"] = str(error)
+    return out
+
+
 def test_clear_errors_on_every_rank(comm_pools: Any, tmp_path: Path) -> None:
-    results = comm_pools.get(2).run(cases.errors_on_every_rank, str(tmp_path), timeout=120)
+    results = comm_pools.get(2).run(errors_on_every_rank, str(tmp_path), timeout=120)
     for result in results:
         other = result["other_model"]
         assert "does not fit this model" in other
@@ -170,25 +435,60 @@ def test_clear_errors_on_every_rank(comm_pools: Any, tmp_path: Path) -> None:
         assert "ds_unsafe does not exist" in result["missing"]
 
 
+def full_state_functions() -> dict[str, Any]:
+    """full_model/optim_state_dict on every kind give the same names; loads round-trip."""
+    out: dict[str, Any] = {}
+    reference = None
+    for kind in ["ddp", "fsdp", "fsdp2"]:
+        model, optim = build(kind)
+        train_steps(model, optim, range(2))
+        state = full_model_state_dict(model)
+        optim_state = full_optim_state_dict(model, optim)
+        if reference is None:
+            reference = (state, optim_state)
+        out[kind] = {
+            "model": max_diff(state, reference[0]),
+            "exp_avg": max(
+                float(
+                    (optim_state["state"][n]["exp_avg"] - reference[1]["state"][n]["exp_avg"])
+                    .abs()
+                    .max()
+                )
+                for n in state
+            ),
+            "names": sorted(optim_state["state"]) == sorted(state),
+        }
+    return out
+
+
 def test_full_state_functions_agree_across_wrappers(comm_pools: Any) -> None:
-    for result in comm_pools.get(2).run(cases.full_state_functions, timeout=120):
+    for result in comm_pools.get(2).run(full_state_functions, timeout=120):
         for kind, values in result.items():
             assert values["model"] <= EXACT, kind
             assert values["exp_avg"] <= EXACT, kind
             assert values["names"], kind
 
 
+def deepspeed_without_opt_in(root: str) -> str:
+    """DeepSpeed's files need full unpickling: refused without allow_unsafe_pickle."""
+    model, _ = build("fsdp2", seed=3)
+    try:
+        load_checkpoint(f"{root}/zero2", model=model, load_optimizer=False)
+    except CheckpointError as error:
+        return str(error)
+    return "no error"
+
+
 def test_deepspeed_files_need_the_opt_in(comm_pools: Any, saved: str) -> None:
-    for message in comm_pools.get(2).run(cases.deepspeed_without_opt_in, saved, timeout=120):
+    for message in comm_pools.get(2).run(deepspeed_without_opt_in, saved, timeout=120):
         assert "allow_unsafe_pickle=True" in message
         assert "zero2" in message
 
 
+# ----------------------------------------- the folder at the path (one process)
+
+
 def test_a_replaced_checkpoint_is_deleted_in_the_background(tmp_path: Path) -> None:
-    import torch
-
-    from comm_strategies.checkpoint import _publish, load_checkpoint, save_checkpoint
-
     model = torch.nn.Linear(3, 2)
     save_checkpoint(tmp_path / "ckpt", model=model, strategy="single", extra={"step": 1})
     with torch.no_grad():
@@ -205,10 +505,6 @@ def test_a_replaced_checkpoint_is_deleted_in_the_background(tmp_path: Path) -> N
 
 
 def test_a_file_at_the_path_is_an_error_and_stays(tmp_path: Path) -> None:
-    import torch
-
-    from comm_strategies.checkpoint import CheckpointError, save_checkpoint
-
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(CheckpointError, match=r"found a file at .*notes\.txt, not a checkpoint"):
         save_checkpoint(tmp_path / "notes.txt", model=torch.nn.Linear(3, 2), strategy="single")
@@ -221,10 +517,6 @@ def test_a_bar_in_the_path_neither_fails_the_save_nor_deletes_another_folder(
 ) -> None:
     # the entry exchange once joined its fields with "|": a path holding one was misread,
     # and rank 0 removed the folder named by the path's part before the bar
-    import torch
-
-    from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
-
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "keep.txt").write_text("mine")
     folder = save_checkpoint(
@@ -240,10 +532,6 @@ def test_a_bar_in_the_path_neither_fails_the_save_nor_deletes_another_folder(
 
 
 def test_a_folder_that_is_not_a_checkpoint_is_an_error_and_stays(tmp_path: Path) -> None:
-    import torch
-
-    from comm_strategies.checkpoint import CheckpointError, save_checkpoint
-
     work_dir = tmp_path / "work_dir"
     (work_dir / "logs").mkdir(parents=True)
     (work_dir / "logs" / "train.log").write_text("epoch 1")
@@ -260,10 +548,6 @@ def test_a_folder_that_is_not_a_checkpoint_is_an_error_and_stays(tmp_path: Path)
 def test_a_folder_with_a_foreign_manifest_is_an_error_and_stays(tmp_path: Path) -> None:
     # manifest.json is a common name (a web app's, a data set's): only a manifest this
     # package wrote makes a folder a checkpoint that a save may replace
-    import torch
-
-    from comm_strategies.checkpoint import CheckpointError, save_checkpoint
-
     app = tmp_path / "webapp"
     app.mkdir()
     (app / "manifest.json").write_text('{"name": "my app", "format_version": 3}')
@@ -278,10 +562,6 @@ def test_a_folder_with_a_foreign_manifest_is_an_error_and_stays(tmp_path: Path) 
 def test_glob_characters_in_the_name_remove_only_its_own_leftovers(tmp_path: Path) -> None:
     # the leftovers of killed saves are found by a pattern built from the name: a name
     # holding *, ? or [ once matched (and deleted) other saves' folders and user files
-    import torch
-
-    from comm_strategies.checkpoint import _publish, load_checkpoint, save_checkpoint
-
     (tmp_path / ".epoch_1.tmp-running").mkdir()  # another save of another name
     (tmp_path / ".notes.old-2024").write_text("mine")
     (tmp_path / ".ckpt[1].tmp-killed").mkdir()  # a killed save of this very name
@@ -301,10 +581,6 @@ def test_glob_characters_in_the_name_remove_only_its_own_leftovers(tmp_path: Pat
 
 
 def test_a_link_at_the_path_is_replaced_and_its_target_kept(tmp_path: Path) -> None:
-    import torch
-
-    from comm_strategies.checkpoint import _publish, load_checkpoint, save_checkpoint
-
     model = torch.nn.Linear(3, 2)
     target = save_checkpoint(tmp_path / "epoch_1", model=model, strategy="single")
     (tmp_path / "latest").symlink_to(target)
@@ -319,32 +595,56 @@ def test_a_link_at_the_path_is_replaced_and_its_target_kept(tmp_path: Path) -> N
     assert (target / "manifest.json").is_file()
 
 
+# -------------------------------------------- a failure outside the file writes
+
+
+class _BrokenScheduler:
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("this scheduler cannot be saved")
+
+
+def state_capture_fails_on_rank_0(root: str) -> str:
+    """A failure outside the file writes (a scheduler's state_dict, on rank 0 only) reaches
+    every rank as a CheckpointError instead of leaving the others in the outcome check."""
+    model, optim = build("ddp")
+    schedulers: list[Any] = [_BrokenScheduler()] if dist.get_rank() == 0 else []
+    try:
+        save_checkpoint(
+            f"{root}/broken", model=model, optim_wrapper=optim, schedulers=schedulers,
+            strategy="ddp",
+        )  # fmt: skip
+    except CheckpointError as error:
+        return str(error)
+    return "no error"
+
+
 def test_a_failure_capturing_state_on_one_rank_is_an_error_on_every_rank(
     comm_pools: Any, tmp_path: Path
 ) -> None:
-    messages = comm_pools.get(2).run(cases.state_capture_fails_on_rank_0, str(tmp_path), timeout=60)
+    messages = comm_pools.get(2).run(state_capture_fails_on_rank_0, str(tmp_path), timeout=60)
     for message in messages:
         assert "rank 0" in message, message
         assert "this scheduler cannot be saved" in message, message
     assert not (tmp_path / "broken").exists()
 
 
+# ------------------------------------------------------- DeepSpeed's own folder
+
+
 def _moments(optim: Any) -> float:
     """The sum of every Adam moment of the engine's inner optimizer (its flat partitions)."""
-    state = cases.torch_optimizer(optim).state
+    state = torch_optimizer(optim).state
     return float(sum(v["exp_avg"].abs().sum() for v in state.values()))
 
 
 def native_folder_restores_the_engines_optimizer(root: str) -> tuple[float, float, float]:
     """DeepSpeed's own folder into the engine, no optim wrapper passed: the engine owns its
     optimizer, so its moments come back with the weights (load_optimizer=True)."""
-    from comm_strategies.checkpoint import load_checkpoint
-
-    model, optim = cases.build("zero1")
-    cases.train_steps(model, optim, range(2))
+    model, optim = build("zero1")
+    train_steps(model, optim, range(2))
     model.model.save_checkpoint(f"{root}/own", tag="step2")
     saved = _moments(optim)
-    cases.train_steps(model, optim, range(2, 5))
+    train_steps(model, optim, range(2, 5))
     moved = _moments(optim)
     load_checkpoint(f"{root}/own", model=model)
     return saved, moved, _moments(optim)

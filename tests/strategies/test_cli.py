@@ -14,20 +14,34 @@ import pytest
 import torch
 
 from comm_strategies import cli
+from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
+from tests.helpers import full_params, max_diff
+from tests.strategies.ckpt_models import build, expected_of, keep_expected, train_steps
 
-from . import ckpt_cases as cases
+
+def save_for_cli(root: str) -> None:
+    """An FSDP2 DCP checkpoint and a DeepSpeed ZeRO-0 folder, with their parameters."""
+    model, optim = build("fsdp2")
+    train_steps(model, optim, range(2))
+    save_checkpoint(
+        f"{root}/fsdp2",
+        model=model,
+        optim_wrapper=optim,
+        strategy="fsdp2",
+        extra={"step": 2},
+    )
+    keep_expected(root, "fsdp2", full_params(model))
+    model, optim = build("zero0")
+    train_steps(model, optim, range(2))
+    model.model.save_checkpoint(f"{root}/ds_0", tag="global_step2")
+    keep_expected(root, "ds_0", full_params(model))
 
 
 @pytest.fixture(scope="module")
 def saved(comm_pools: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("cli")
-    comm_pools.get(2).run(cases.save_for_cli, str(root), timeout=300)
+    comm_pools.get(2).run(save_for_cli, str(root), timeout=300)
     return root
-
-
-def _expected(root: Path, name: str) -> dict[str, torch.Tensor]:
-    params: dict[str, torch.Tensor] = torch.load(root / f"expected_{name}.pt")
-    return params
 
 
 def test_inspect_prints_the_manifest(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,7 +68,7 @@ def test_convert_sharded_to_one_plain_file(saved: Path, tmp_path: Path) -> None:
     out = tmp_path / "weights.pt"
     assert cli.main(["convert", str(saved / "fsdp2"), str(out), "--quiet"]) == 0
     state = torch.load(out, weights_only=True)  # loads without full unpickling
-    expected = _expected(saved, "fsdp2")
+    expected = expected_of(str(saved), "fsdp2")
     assert sorted(state) == sorted(expected)
     assert all(torch.equal(state[name], expected[name]) for name in expected)
 
@@ -72,9 +86,16 @@ def test_convert_deepspeed_zero0_needs_the_opt_in(
     assert "100%" in captured.err  # the progress bar
     assert f"wrote {out}" in captured.out
     state = torch.load(out, weights_only=True)
-    expected = _expected(saved, "ds_0")
+    expected = expected_of(str(saved), "ds_0")
     assert sorted(state) == sorted(expected)
     assert all(torch.equal(state[name], expected[name]) for name in expected)
+
+
+def load_converted(folder: str) -> float:
+    """A folder converted from a plain file loads into FSDP1 at world 2 (resharded by DCP)."""
+    model, _ = build("fsdp", seed=11)
+    load_checkpoint(folder, model=model)
+    return max_diff(full_params(model), expected_of(str(Path(folder).parent), "fsdp2"))
 
 
 def test_convert_plain_to_sharded_loads_into_fsdp(
@@ -86,7 +107,7 @@ def test_convert_plain_to_sharded_loads_into_fsdp(
     assert cli.main(["convert", str(plain), str(folder), "--quiet"]) == 0
     assert (folder / "manifest.json").is_file()
     assert (folder / "dcp" / ".metadata").is_file()
-    for diff in comm_pools.get(2).run(cases.load_converted, str(folder), timeout=120):
+    for diff in comm_pools.get(2).run(load_converted, str(folder), timeout=120):
         assert diff == 0.0
     shutil.rmtree(folder)
 
