@@ -35,6 +35,14 @@ def caught(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str]
     return "", ""
 
 
+class Unpicklable:
+    """An object whose pickling raises: a rank's part or argument that cannot travel."""
+
+    def __reduce__(self) -> Any:
+        message = "this object refuses to be pickled"
+        raise RuntimeError(message)
+
+
 def _clean(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("module.", "")
 

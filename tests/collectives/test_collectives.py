@@ -1,40 +1,60 @@
-"""Every collective on real gloo worlds of 2 and 3 ranks, checked against hand-derived values."""
+"""Every collective on real gloo worlds of 2 and 3 ranks, checked against hand-derived values.
+
+Each rank body runs on every rank (along both data paths of tests/collectives/data_paths.py)
+and stands above the test that asserts on it: inputs depend on the rank, and the tests
+compare the returned values with results derived by hand from those inputs. collect_results
+is in test_collect_results.py.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import random
+from collections import namedtuple
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
-from . import cases
+import comm_collectives as dist
+from comm_core import CollectiveMismatchError, RemoteRankError
+from tests.helpers import Unpicklable, caught
 
-WORLDS = [2, 3]
-# "inline": small data rides in the handshake frame (one collective); "long": inline data
-# switched off, so the same cases take the separate data transfer.
-PATHS = ["inline", "long"]
+from .data_paths import PATHS, WORLDS, run_on_path
 
-
-def _raised_on_every_rank(results: list[Any], rank: int, cause: str) -> None:
-    """Every rank's ``first`` call raised the same RemoteRankError, naming ``rank`` and
-    ``cause``."""
-    for r in results:
-        name, message = r["first"]
-        assert name == "RemoteRankError"
-        assert f"collect_results failed on rank(s) {rank};" in message
-        assert cause in message
+Point = namedtuple("Point", ["x", "y"])
 
 
-def _run(comm_run_distributed: Any, path: str, case: Any, *args: Any, world_size: int) -> Any:
-    if path == "inline":
-        return comm_run_distributed(case, *args, world_size=world_size)
-    return comm_run_distributed(cases.without_inline, case.__name__, *args, world_size=world_size)
+def all_reduce_ops() -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for op in ("sum", "mean", "max", "min", "product", "SUM"):
+        t = torch.tensor([rank + 1.0, 2.0 * (rank + 1)])
+        dist.all_reduce(t, op=op)
+        out[op] = t.tolist()
+    ints = torch.tensor([2 * rank, 4], dtype=torch.int32)
+    dist.all_reduce(ints, op="mean")
+    out["int_mean"] = (ints.tolist(), str(ints.dtype))
+    inexact = torch.tensor([rank, 7], dtype=torch.int64)
+    out["int_mean_inexact"] = caught(dist.all_reduce, inexact, op="mean")
+    out["int_mean_inexact_untouched"] = inexact.tolist()
+    flags = torch.tensor([rank == 0, True])
+    dist.all_reduce(flags, op="max")
+    out["bool_max"] = flags.tolist()
+    out["bad_op"] = caught(dist.all_reduce, torch.ones(1), op="avg")
+    group = torch.distributed.new_group([0, 1])
+    if rank in (0, 1):
+        g = torch.tensor([10.0 * (rank + 1)])
+        dist.all_reduce(g, group=group)
+        out["group"] = g.item()
+    torch.distributed.destroy_process_group(group)
+    return out
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_all_reduce_every_op(comm_run_distributed: Any, path: str, world: int) -> None:
-    results = _run(comm_run_distributed, path, cases.all_reduce_ops, world_size=world)
+    results = run_on_path(comm_run_distributed, path, all_reduce_ops, world_size=world)
     ranks = range(world)
     s1 = sum(r + 1 for r in ranks)
     p1 = 1
@@ -66,12 +86,31 @@ def test_all_reduce_every_op(comm_run_distributed: Any, path: str, world: int) -
             assert r["group"] == 30.0
 
 
+def all_gather_shapes() -> dict[str, Any]:
+    rank = dist.get_rank()
+    even = dist.all_gather(torch.full((2, 2), float(rank)))
+    uneven = dist.all_gather(torch.arange(rank * 3, dtype=torch.int16).reshape(rank, 3))
+    scalar = dist.all_gather(torch.tensor(rank))
+    ragged_ndim = dist.all_gather(torch.ones((1,) * (rank + 1)))
+    empty = dist.all_gather(torch.empty(0))
+    return {
+        "even": [p.tolist() for p in even],
+        "uneven": [(tuple(p.shape), p.tolist(), str(p.dtype)) for p in uneven],
+        "scalar": [p.item() for p in scalar],
+        "ragged_ndim": [tuple(p.shape) for p in ragged_ndim],
+        "empty": [tuple(p.shape) for p in empty],
+        "dtype_mismatch": caught(
+            dist.all_gather, torch.ones(1, dtype=torch.float32 if rank else torch.float64)
+        ),
+    }
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_all_gather_even_uneven_and_scalar(
     comm_run_distributed: Any, path: str, world: int
 ) -> None:
-    for r in _run(comm_run_distributed, path, cases.all_gather_shapes, world_size=world):
+    for r in run_on_path(comm_run_distributed, path, all_gather_shapes, world_size=world):
         assert r["even"] == [[[float(k)] * 2] * 2 for k in range(world)]
         expected = [
             ((k, 3), [list(range(3 * i, 3 * i + 3)) for i in range(k)], "torch.int16")
@@ -88,11 +127,17 @@ def test_all_gather_even_uneven_and_scalar(
         assert "float32" in message
 
 
+def gather_to(dst: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    parts = dist.gather(torch.arange(rank + 1, dtype=torch.float64) + 10 * rank, dst=dst)
+    return {"parts": [p.tolist() for p in parts], "devices": sorted({str(p.device) for p in parts})}
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_gather_uneven_to_every_root(comm_run_distributed: Any, path: str, world: int) -> None:
     for dst in range(world):
-        results = _run(comm_run_distributed, path, cases.gather_to, dst, world_size=world)
+        results = run_on_path(comm_run_distributed, path, gather_to, dst, world_size=world)
         for rank, r in enumerate(results):
             if rank == dst:
                 assert r["parts"] == [[10.0 * k + i for i in range(k + 1)] for k in range(world)]
@@ -101,16 +146,39 @@ def test_gather_uneven_to_every_root(comm_run_distributed: Any, path: str, world
                 assert r["parts"] == []
 
 
+def broadcast_cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    t = torch.full((3,), float(rank))
+    dist.broadcast(t, src=world - 1)
+    shape = caught(dist.broadcast, torch.zeros(rank + 1), src=0)
+    bad_src = caught(dist.broadcast, torch.zeros(1), src=world)
+    return {"value": t.tolist(), "shape_mismatch": shape, "bad_src": bad_src}
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_broadcast_and_its_errors(comm_run_distributed: Any, path: str, world: int) -> None:
-    for r in _run(comm_run_distributed, path, cases.broadcast_cases, world_size=world):
+    for r in run_on_path(comm_run_distributed, path, broadcast_cases, world_size=world):
         assert r["value"] == [float(world - 1)] * 3
         name, message = r["shape_mismatch"]
         assert name == "CollectiveMismatchError"
         assert "different shape" in message
         assert r["bad_src"][0] == "RemoteRankError"
         assert f"src={world} is not a rank of the group (0..{world - 1})" in r["bad_src"][1]
+
+
+def seed_cases() -> dict[str, Any]:
+    np.random.seed(1234)
+    torch.manual_seed(1234)
+    random.seed(1234)
+    seeds = [dist.sync_random_seed() for _ in range(3)]
+    return {
+        "seeds": seeds,
+        "numpy_next": float(np.random.rand()),
+        "torch_next": float(torch.rand(1)),
+        "random_next": random.random(),
+    }
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -126,12 +194,56 @@ def test_sync_random_seed_is_shared_and_leaves_global_rngs_alone(
     torch.manual_seed(1234)
     random.seed(1234)
     expected = (float(np.random.rand()), float(torch.rand(1)), random.random())
-    results = _run(comm_run_distributed, path, cases.seed_cases, world_size=3)
+    results = run_on_path(comm_run_distributed, path, seed_cases, world_size=3)
     assert results[0]["seeds"] == results[1]["seeds"] == results[2]["seeds"]
     assert len(set(results[0]["seeds"])) == 3  # fresh each call
     assert all(0 <= s < 2**31 for s in results[0]["seeds"])
     for r in results:
         assert (r["numpy_next"], r["torch_next"], r["random_next"]) == expected
+
+
+def object_cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    payload = {
+        "rank": rank,
+        "text": "x" * rank,
+        "tensor": torch.arange(rank + 2, dtype=torch.float32) * (rank + 1),
+        "array": np.full((2, rank + 1), rank, dtype=np.int32),
+        "point": Point(rank, None),
+        "param": torch.nn.Parameter(torch.ones(2) * rank),
+        "bf16": torch.full((2,), rank + 0.5, dtype=torch.bfloat16),
+    }
+    gathered = dist.all_gather_object(payload)
+    to_last = dist.gather_object(payload, dst=world - 1)
+    items: list[Any] = (
+        [{"from": rank, "arr": np.arange(4) * rank}, None, "tail"] if rank == 1 else [0, 0, 0]
+    )
+    dist.broadcast_object_list(items, src=1)
+    unpicklable = caught(dist.all_gather_object, Unpicklable() if rank == world - 1 else rank)
+    unpicklable_src = caught(dist.broadcast_object_list, [Unpicklable()], src=0)
+
+    def describe(o: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "rank": o["rank"],
+            "text": o["text"],
+            "tensor": o["tensor"].tolist(),
+            "array": o["array"].tolist(),
+            "array_dtype": str(o["array"].dtype),
+            "point": tuple(o["point"]),
+            "point_type": type(o["point"]).__name__,
+            "param": (type(o["param"]).__name__, o["param"].tolist(), o["param"].requires_grad),
+            "bf16": (str(o["bf16"].dtype), o["bf16"].float().tolist()),
+        }
+
+    return {
+        "gathered": [describe(o) for o in gathered],
+        "gather_object": None if to_last is None else [describe(o) for o in to_last],
+        "broadcast": [items[0]["from"], items[0]["arr"].tolist(), items[1], items[2]],
+        "unpicklable": unpicklable,
+        "unpicklable_src": unpicklable_src,
+        "after_errors": dist.all_gather_object(rank),  # the world is still usable
+    }
 
 
 def _describe_expected(k: int) -> dict[str, Any]:
@@ -153,7 +265,7 @@ def _describe_expected(k: int) -> dict[str, Any]:
 def test_object_collectives_carry_tensors_arrays_and_errors(
     comm_run_distributed: Any, path: str, world: int
 ) -> None:
-    results = _run(comm_run_distributed, path, cases.object_cases, world_size=world)
+    results = run_on_path(comm_run_distributed, path, object_cases, world_size=world)
     expected = [_describe_expected(k) for k in range(world)]
     for rank, r in enumerate(results):
         assert r["gathered"] == expected
@@ -169,13 +281,42 @@ def test_object_collectives_carry_tensors_arrays_and_errors(
         assert r["after_errors"] == list(range(world))
 
 
+def reduce_dict_cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    data = {
+        "loss": torch.tensor(float(rank + 1)),
+        "count": torch.tensor([rank + 1, 2], dtype=torch.int64),
+        "acc": torch.tensor([[0.5 * rank]], dtype=torch.float64),
+    }
+    dist.all_reduce_dict(data, op="sum")
+    summed = {k: (v.tolist(), str(v.dtype), tuple(v.shape)) for k, v in data.items()}
+    mean = {"even": torch.tensor([2 * rank], dtype=torch.int32), "f": torch.tensor([1.0 * rank])}
+    dist.all_reduce_dict(mean, op="mean")
+    keys = {"a": torch.ones(1), f"only_{rank}": torch.ones(1)}
+    key_error = caught(dist.all_reduce_dict, keys)
+    not_tensor = caught(dist.all_reduce_dict, {"a": 1.0 if rank == 0 else torch.ones(1)})
+    scalars = {f"m{i}": torch.tensor(float(i * (rank + 1))) for i in range(5)}
+    dist.all_reduce_dict(scalars, op="max")
+    # the int mean is 1 / W: not exact, so nothing is replaced, not even the float key
+    atomic = {"f": torch.tensor([1.0 * rank]), "i": torch.tensor([1 if rank == 0 else 0])}
+    atomic_error = caught(dist.all_reduce_dict, atomic, op="mean")
+    return {
+        "summed": summed,
+        "mean": {k: v.tolist() for k, v in mean.items()},
+        "key_error": key_error,
+        "not_tensor": not_tensor,
+        "scalars": {k: (v.item(), tuple(v.shape)) for k, v in scalars.items()},
+        "atomic": (atomic_error[0], {k: v.tolist() for k, v in atomic.items()}),
+    }
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_all_reduce_dict_sums_means_and_key_check(
     comm_run_distributed: Any, path: str, world: int
 ) -> None:
     s = sum(range(1, world + 1))
-    results = _run(comm_run_distributed, path, cases.reduce_dict_cases, world_size=world)
+    results = run_on_path(comm_run_distributed, path, reduce_dict_cases, world_size=world)
     for rank, r in enumerate(results):
         assert r["summed"] == {
             "loss": (float(s), "torch.float32", ()),
@@ -195,157 +336,50 @@ def test_all_reduce_dict_sums_means_and_key_check(
         assert r["atomic"] == ("ValueError", {"f": [1.0 * rank], "i": [1 if rank == 0 else 0]})
 
 
+def reduce_params_cases(coalesce: bool, bucket_size_mb: float) -> list[list[float]]:
+    rank = dist.get_rank()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.fill_(rank + i)
+    extra = torch.full((4,), rank, dtype=torch.int64)
+    dist.all_reduce_params(
+        [*model.parameters(), extra], coalesce=coalesce, bucket_size_mb=bucket_size_mb, op="sum"
+    )
+    return [p.reshape(-1).tolist() for p in model.parameters()] + [extra.tolist()]
+
+
 @pytest.mark.parametrize(("coalesce", "bucket"), [(True, -1), (True, 0.00001), (False, -1)])
 def test_all_reduce_params(comm_run_distributed: Any, coalesce: bool, bucket: float) -> None:
     world = 3
-    results = comm_run_distributed(cases.reduce_params_cases, coalesce, bucket, world_size=world)
+    results = comm_run_distributed(reduce_params_cases, coalesce, bucket, world_size=world)
     sizes = [6, 2, 2, 1]
     expected = [[float(sum(r + i for r in range(world)))] * n for i, n in enumerate(sizes)]
     expected.append([sum(range(world))] * 4)
     assert results == [expected] * world
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize(("device", "tmpdir"), [("cpu", False), ("cpu", True), ("gpu", False)])
-def test_collect_results_order_none_and_truncation(
-    comm_run_distributed: Any, world: int, device: str, tmpdir: bool, tmp_path: Path
-) -> None:
-    (tmp_path / "user").mkdir()
-    (tmp_path / "user" / "keep.txt").write_text("mine")
-    root = str(tmp_path) if tmpdir else None
-    results = comm_run_distributed(cases.collect_cases, device, root, world_size=world)
-    size = 10
-    per_rank = -(-size // world)
-    # hand-derived: the interleaved order is the dataset order, truncated to size
-    expected = [None if i % 4 == 3 else (i, [i]) for i in range(size)]
-    # rank W-1 dropped its last item, which lies beyond `size` only when padding was added
-    if world * per_rank == size:
-        dropped = (world - 1) + world * (per_rank - 1)
-        expected = [e for i, e in enumerate(expected) if i != dropped]
-    assert results[0]["result"] == expected
-    for r in results[1:]:
-        assert r["result"] is None
-    for r in results:
-        assert r["same_with_user_dir"] is True
-        assert r["tmpdir_removed"] is True
-        assert r["user_dir_kept"] is True
-
-
-def test_collect_results_parts_a_sampler_would_not_give(comm_run_distributed: Any) -> None:
-    # rank r holds r + 1 items: rows of the interleave run out one rank at a time
-    results = comm_run_distributed(cases.collect_not_sampler_shaped, world_size=3)
-    assert results[0] == ["0.0", "1.0", "2.0", "1.1", "2.1", "2.2"]
-    assert results[1:] == [None, None]
-
-
-def test_collect_results_error_on_one_rank_raises_everywhere(comm_run_distributed: Any) -> None:
-    for name, message in comm_run_distributed(cases.collect_error_case, world_size=2):
-        assert name == "RemoteRankError"
-        assert "collect_results failed on rank(s) 1" in message
-
-
-@pytest.mark.parametrize("tmpdir", [False, True])
-def test_collect_results_part_that_fails_to_unpickle_on_rank_zero(
-    comm_run_distributed: Any, tmpdir: bool, tmp_path: Path
-) -> None:
-    root = str(tmp_path) if tmpdir else None
-    results = comm_run_distributed(cases.collect_load_failure_case, root, world_size=3)
-    # every rank raises the same error, naming rank 0 and its unpickling error
-    _raised_on_every_rank(results, 0, "this object cannot be rebuilt on the receiving rank")
-    # rank 2's large part was drained (or its file removed), not left for the next call
-    assert [r["left"] for r in results] == [False, False, False]
-    assert results[0]["again"] == ["item 0", "item 1", "item 2"]
-    assert results[1]["again"] is results[2]["again"] is None
-    assert [r["total"] for r in results] == [3.0, 3.0, 3.0]
-
-
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("world", WORLDS)
-def test_collect_results_streams_large_parts_with_tensors(
-    comm_run_distributed: Any, path: str, world: int
-) -> None:
-    results = _run(comm_run_distributed, path, cases.collect_large_case, world_size=world)
-    n = cases.LARGE_PART
-    size = world * n - 1  # the last rank's part is one item short
-    # hand-derived: item i comes from rank i % W, position i // W of its part
-    expected = [cases.large_item(i % world, i // world) for i in range(size)]
-    assert results[0]["result"] == [cases.summarise_item(item) for item in expected]
-    assert results[0]["bytes"] > 4 * 128 * 1024  # more chunks than receives posted ahead
-    assert [r["result"] for r in results[1:]] == [None] * (world - 1)
-    assert results[0]["medium"] == [f"{i % world}:{i // world}" for i in range(world * 2000)]
-    assert [r["again"] for r in results] == [list(range(world))] + [None] * (world - 1)
-    assert [r["medium"] for r in results[1:]] == [None] * (world - 1)
-    # rank 0 saw each shape: streamed (-1), one message (its size), inline (0); with
-    # inline data switched off the small part goes as one message too
-    large, medium, small = results[0]["shapes"]
-    assert large == [-1] * (world - 1)
-    assert len(medium) == len(small) == world - 1
-    assert all(count > 0 for count in medium)
-    if path == "inline":
-        assert small == [0] * (world - 1)
+def mismatch_cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        out["different_ops"] = caught(dist.all_reduce, torch.ones(2))
     else:
-        assert all(count > 0 for count in small)
-
-
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("world", WORLDS)
-def test_collect_results_pickling_fails_in_the_middle_of_a_part(
-    comm_run_distributed: Any, path: str, world: int
-) -> None:
-    failing = world - 1  # its item 20,000 refuses to be pickled, long after the first chunk
-    results = _run(
-        comm_run_distributed,
-        path,
-        cases.collect_midstream_failure_case,
-        failing,
-        "pickle",
-        world_size=world,
-    )
-    _raised_on_every_rank(results, failing, "this object refuses to be pickled")
-    assert results[0]["shapes"] == [-1] * (world - 1)  # every part was streamed
-    for r in results:
-        assert r["total"] == float(sum(range(world)))
-    assert results[0]["again"] == [f"item {i}" for i in range(world)]
-    assert [r["again"] for r in results[1:]] == [None] * (world - 1)
-    assert results[failing]["sent_before_failing"][0] > 0
-
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_collect_results_pickling_fails_while_the_part_is_announced(
-    comm_run_distributed: Any, world: int
-) -> None:
-    # the sender starts its part's handshake after the pickler's first 64 KiB frame and
-    # pickles on meanwhile; item 10,000 (at ~89 KB) fails before the handshake's outcome is known
-    failing = world - 1
-    results = comm_run_distributed(
-        cases.collect_midstream_failure_case, failing, "pickle", 10_000, world_size=world
-    )
-    _raised_on_every_rank(results, failing, "this object refuses to be pickled")
-    assert results[0]["shapes"] == [-1] * (world - 1)
-    assert results[failing]["sent_before_failing"] == [0]  # no chunk had gone yet
-    for r in results:
-        assert r["total"] == float(sum(range(world)))
-    assert results[0]["again"] == [f"item {i}" for i in range(world)]
-
-
-@pytest.mark.parametrize("path", PATHS)
-def test_collect_results_unpickling_fails_in_the_middle_of_a_part(
-    comm_run_distributed: Any, path: str
-) -> None:
-    # rank 0 cannot rebuild item 20,000 of rank 1's part; rank 2's part still comes
-    results = _run(
-        comm_run_distributed, path, cases.collect_midstream_failure_case, 1, "load", world_size=3
-    )
-    _raised_on_every_rank(results, 0, "this object cannot be rebuilt on the receiving rank")
-    assert results[0]["shapes"] == [-1, -1]
-    for r in results:
-        assert r["total"] == 3.0
-    assert results[0]["again"] == ["item 0", "item 1", "item 2"]
+        out["different_ops"] = caught(dist.broadcast, torch.ones(2))
+    out["shape"] = caught(dist.all_reduce, torch.ones(rank + 1))
+    with dist.debug_mode():
+        out["debug_enabled"] = dist.debug_enabled()
+        out["debug_shape"] = caught(dist.all_reduce, torch.ones(rank + 1))
+        ok = torch.ones(2)
+        dist.all_reduce(ok)
+        out["debug_ok"] = ok.tolist()
+    out["debug_after"] = dist.debug_enabled()
+    return out
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_mismatched_calls_raise_on_every_rank(comm_run_distributed: Any, path: str) -> None:
-    for r in _run(comm_run_distributed, path, cases.mismatch_cases, world_size=2):
+    for r in run_on_path(comm_run_distributed, path, mismatch_cases, world_size=2):
         name, message = r["different_ops"]
         assert name == "CollectiveMismatchError"
         assert "different collectives" in message
@@ -361,33 +395,37 @@ def test_mismatched_calls_raise_on_every_rank(comm_run_distributed: Any, path: s
         assert r["debug_after"] is False
 
 
-@pytest.mark.parametrize("debug", [False, True])
-def test_collect_results_mismatch_while_a_part_is_streamed(
-    comm_run_distributed: Any, debug: bool
-) -> None:
-    results = comm_run_distributed(cases.collect_mismatch_case, debug, world_size=2)
-    for r in results:
-        name, message = r["first"]
-        assert name == "CollectiveMismatchError"
-        assert "collect_results" in message
-        assert "all_reduce" in message
-        assert ("helpers.py:" in message) is debug  # the call-site column of debug mode
-        assert r["total"] == 1.0
-    assert results[0]["again"] is True
-    assert results[1]["again"] is None
+def remote_error_details() -> dict[str, Any]:
+    rank = dist.get_rank()
+    try:
+        dist.all_gather_object(Unpicklable() if rank == 1 else rank)
+    except RemoteRankError as exc:
+        return {
+            "ranks": exc.ranks,
+            "operation": exc.operation,
+            "cause": type(exc.__cause__).__name__,
+        }
+    return {}
 
 
 def test_remote_rank_error_names_rank_and_cause(comm_run_distributed: Any) -> None:
-    for r in comm_run_distributed(cases.remote_error_details, world_size=3):
+    for r in comm_run_distributed(remote_error_details, world_size=3):
         assert r["ranks"] == (1,)
         assert r["operation"] == "all_gather_object"
-    assert (
-        comm_run_distributed(cases.remote_error_details, world_size=3)[1]["cause"] == "RuntimeError"
-    )
+    assert comm_run_distributed(remote_error_details, world_size=3)[1]["cause"] == "RuntimeError"
+
+
+def mismatch_rows() -> list[dict[str, object]]:
+    rank = dist.get_rank()
+    try:
+        dist.all_reduce(torch.ones(rank + 1))
+    except CollectiveMismatchError as exc:
+        return list(exc.rows)
+    return []
 
 
 def test_mismatch_table_has_a_row_per_rank(comm_run_distributed: Any) -> None:
-    rows = comm_run_distributed(cases.mismatch_rows, world_size=3)[0]
+    rows = comm_run_distributed(mismatch_rows, world_size=3)[0]
     assert [row["rank"] for row in rows] == [0, 1, 2]
     assert [row["shape"] for row in rows] == [(1,), (2,), (3,)]
     assert {row["dtype"] for row in rows} == {"float32"}

@@ -4,23 +4,46 @@ and agree (every rank raises when any rank failed), on real gloo worlds."""
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as torch_dist
 
 import comm_collectives as dist
+from comm_collectives import _route, _store
+from comm_core import CommTimeoutError, RemoteRankError, process_group
 from comm_core.testing import WorldPool
-
-from . import rendezvous_agree_cases as cases
 
 # A FileStore (the test kit's store) ends its wait on a whole second: up to 1 s late.
 STORE_SLACK_S = 1.5
 
+# "/data/café-R" written in Latin-1: the byte 0xE9 is not UTF-8, as in a path read from disk
+NOT_UTF8 = b"/data/caf\xe9-".decode("utf-8", "surrogateescape")
+
+
+def rendezvous_values(key: str) -> dict[str, Any]:
+    """Rank-dependent strings on the world, a string that is not UTF-8, and a subgroup of
+    the first and the last rank (group ranks 0 and 1)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    out["plain"] = dist.rendezvous(f"{key}/plain", f"rank {rank} " * (rank + 1), timeout=3.0)
+    out["bytes"] = [
+        s.encode("utf-8", "surrogateescape")
+        for s in dist.rendezvous(f"{key}/bytes", f"{NOT_UTF8}{rank}", timeout=3.0)
+    ]
+    ends = torch_dist.new_group([0, world - 1])
+    if rank in (0, world - 1):
+        out["ends"] = dist.rendezvous(f"{key}/ends", f"end {rank}", timeout=3.0, group=ends)
+    torch_dist.destroy_process_group(ends)
+    return out
+
 
 def test_rendezvous_returns_every_ranks_value_by_rank(comm_run_distributed: Any) -> None:
     key = f"test/{uuid.uuid4().hex}"
-    for rank, r in enumerate(comm_run_distributed(cases.rendezvous_values, key, world_size=3)):
+    for rank, r in enumerate(comm_run_distributed(rendezvous_values, key, world_size=3)):
         assert r["plain"] == ["rank 0 ", "rank 1 rank 1 ", "rank 2 rank 2 rank 2 "]
         assert r["bytes"] == [b"/data/caf\xe9-0", b"/data/caf\xe9-1", b"/data/caf\xe9-2"]
         if rank in (0, 2):
@@ -29,13 +52,33 @@ def test_rendezvous_returns_every_ranks_value_by_rank(comm_run_distributed: Any)
             assert "ends" not in r
 
 
+def rendezvous_without_a_rank(key: str, timeout: float, withdraw: bool) -> dict[str, Any]:
+    """Every rank but the last calls; what they raised, how fast, and whether the key stays."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == world - 1:
+        return {}
+    start = time.monotonic()
+    try:
+        dist.rendezvous(key, f"v{rank}", timeout=timeout, withdraw_on_timeout=withdraw)
+    except CommTimeoutError as exc:
+        seconds = time.monotonic() - start
+        mine_left = _store.default_store().check([f"{key}/{rank}"])
+        return {
+            "message": str(exc),
+            "missing": exc.missing,  # type: ignore[attr-defined]
+            "seconds": seconds,
+            "mine_left": mine_left,
+        }
+    return {"message": "returned"}
+
+
 @pytest.mark.parametrize("withdraw", [False, True])
 def test_a_rank_that_does_not_call_rendezvous_is_named_within_the_timeout(
     comm_run_distributed: Any, withdraw: bool
 ) -> None:
     key = f"test/{uuid.uuid4().hex}"
     timeout = 1.0
-    results = comm_run_distributed(cases.rendezvous_without_a_rank, key, timeout, withdraw)
+    results = comm_run_distributed(rendezvous_without_a_rank, key, timeout, withdraw)
     r = results[0]
     assert r["missing"] == [1]
     assert timeout - 0.05 <= r["seconds"] < timeout + STORE_SLACK_S
@@ -65,11 +108,47 @@ def test_rendezvous_and_agree_in_a_plain_process() -> None:
         dist.rendezvous("k", b"v", timeout=1.0)  # type: ignore[arg-type]
 
 
+def _outcome(step: str, error: BaseException | None, timeout: float | None) -> Any:
+    try:
+        dist.agree(step, error, timeout=timeout)
+    except RemoteRankError as exc:
+        return {
+            "ranks": list(exc.ranks),
+            "types": [f.error_type for f in exc.failures],
+            "messages": [f.message for f in exc.failures],
+            "text": str(exc),
+        }
+    return "returned"
+
+
+def agree_outcomes(side: bool) -> dict[str, Any]:
+    """Nobody failed, one rank failed, two ranks failed; with and without a timeout
+    (``side``: the votes on a CPU side group, as under nccl)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = _route.side_channel, process_group._CPU_BACKENDS
+    if side:
+        _route.side_channel, process_group._CPU_BACKENDS = True, ()
+    out: dict[str, Any] = {}
+    try:
+        for timeout in (None, 3.0):
+            out[f"none/{timeout}"] = _outcome("load", None, timeout)
+            one = ValueError(f"bad shard {rank}") if rank == 1 else None
+            out[f"one/{timeout}"] = _outcome("load", one, timeout)
+            two = OSError(f"disk full on {rank}") if rank != 1 else None
+            out[f"two/{timeout}"] = _outcome("save", two, timeout)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        out["next"] = float(t) == world * (world + 1) / 2
+    finally:
+        _route.side_channel, process_group._CPU_BACKENDS = saved
+    return out
+
+
 @pytest.mark.parametrize("side", [False, True], ids=["plain", "side-group"])
 def test_agree_raises_on_every_rank_naming_each_failed_rank(
     comm_run_distributed: Any, side: bool
 ) -> None:
-    for r in comm_run_distributed(cases.agree_outcomes, side, world_size=3):
+    for r in comm_run_distributed(agree_outcomes, side, world_size=3):
         for timeout in (None, 3.0):
             assert r[f"none/{timeout}"] == "returned"
             one = r[f"one/{timeout}"]
@@ -84,10 +163,22 @@ def test_agree_raises_on_every_rank_naming_each_failed_rank(
         assert r["next"] is True
 
 
+def agree_without_a_rank(timeout: float) -> dict[str, Any]:
+    """Rank 0 votes; the other ranks never do. What rank 0 raised and how fast."""
+    if dist.get_rank() != 0:
+        return {}
+    start = time.monotonic()
+    try:
+        dist.agree("write shards", timeout=timeout)
+    except CommTimeoutError as exc:
+        return {"message": str(exc), "seconds": time.monotonic() - start}
+    return {"message": "returned"}
+
+
 def test_a_rank_that_never_calls_agree_makes_the_caller_time_out() -> None:
     # its own world: the unanswered vote leaves the group's collectives out of step
     with WorldPool(2, timeout=30.0) as pool:
-        results = pool.run(cases.agree_without_a_rank, 1.0)
+        results = pool.run(agree_without_a_rank, 1.0)
     r = results[0]
     assert 0.95 <= r["seconds"] < 2.5, r
     assert "agree at step 'write shards': rank 0 of 2 waited 1.0 s (timeout 1 s)" in r["message"]
