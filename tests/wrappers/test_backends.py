@@ -300,7 +300,9 @@ def test_backend_of_finds_wrappers_inside_and_models_built_by_torch(
 
 @pytest.mark.parametrize("value", [None, 3, "model", [nn.Linear(1, 1)]])
 def test_backend_of_a_non_module_raises_type_error(value: Any) -> None:
-    with pytest.raises(TypeError, match=r"expects the nn\.Module .* got (NoneType|int|str|list)"):
+    with pytest.raises(
+        TypeError, match=r"model must be the nn\.Module .* got (NoneType|int|str|list)"
+    ):
         backend_of(value)
 
 
