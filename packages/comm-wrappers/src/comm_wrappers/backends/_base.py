@@ -110,7 +110,13 @@ class Backend:
                 parameters are FSDP1 shards but the adapter is not FSDP1's (it has not the
                 FSDP model); a DeepSpeed engine (it clips inside its own step).
         """
-        norm = self._clip(params, max_norm, norm_type, foreach, error_if_nonfinite)
+        options = {
+            "max_norm": max_norm,
+            "norm_type": norm_type,
+            "error_if_nonfinite": error_if_nonfinite,
+            "foreach": foreach,
+        }
+        norm = self._clip(params, options)
         if error_if_nonfinite and not torch.isfinite(norm).all():
             message = (
                 f"the total gradient norm is {float(norm)} (not finite) and "
@@ -119,16 +125,10 @@ class Backend:
             raise RuntimeError(message)
         return norm
 
-    def _clip(
-        self,
-        params: list[torch.Tensor],
-        max_norm: float,
-        norm_type: float,
-        foreach: bool | None,
-        error_if_nonfinite: bool,
-    ) -> torch.Tensor:
+    def _clip(self, params: list[torch.Tensor], options: dict[str, Any]) -> torch.Tensor:
         """Clip by the whole model's norm and return it (DTensors: reduced across ranks).
 
+        ``options``: ``max_norm``, ``norm_type``, ``error_if_nonfinite``, ``foreach``.
         torch checks ``error_if_nonfinite`` before it scales anything: the gradients are
         left as they were when it raises. A rank's FSDP1 shards are refused: only the FSDP
         model's own ``clip_grad_norm_`` knows the whole model's norm.
@@ -141,9 +141,7 @@ class Backend:
                 "(train_step does), before update_params"
             )
             raise RuntimeError(message)
-        norm = nn.utils.clip_grad_norm_(
-            params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
-        )
+        norm = nn.utils.clip_grad_norm_(params, **options)
         full_tensor = getattr(norm, "full_tensor", None)
         return full_tensor() if callable(full_tensor) else norm
 

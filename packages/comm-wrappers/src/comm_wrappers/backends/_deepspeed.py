@@ -59,18 +59,11 @@ class DeepSpeedBackend(Backend):
     def _stage(self) -> int:
         return int(self.engine.zero_optimization_stage())
 
-    def _clip(
-        self,
-        params: list[torch.Tensor],
-        max_norm: float,
-        norm_type: float,
-        foreach: bool | None,
-        error_if_nonfinite: bool,
-    ) -> torch.Tensor:
+    def _clip(self, params: list[torch.Tensor], options: dict[str, Any]) -> torch.Tensor:
         message = (
             "a DeepSpeed engine clips its gradients itself, inside engine.step(): set "
-            f"gradient_clipping={max_norm} in its config (DeepSpeedStrategy maps clip_grad "
-            "there) instead of clipping from an optimizer wrapper"
+            f"gradient_clipping={options['max_norm']} in its config (DeepSpeedStrategy maps "
+            "clip_grad there) instead of clipping from an optimizer wrapper"
         )
         raise RuntimeError(message)
 

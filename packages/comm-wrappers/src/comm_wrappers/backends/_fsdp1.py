@@ -62,17 +62,10 @@ class FSDP1Backend(Backend):
         context: AbstractContextManager[None] = self._root().no_sync()
         return context
 
-    def _clip(
-        self,
-        params: list[torch.Tensor],
-        max_norm: float,
-        norm_type: float,
-        foreach: bool | None,
-        error_if_nonfinite: bool,
-    ) -> torch.Tensor:
+    def _clip(self, params: list[torch.Tensor], options: dict[str, Any]) -> torch.Tensor:
         # The root all-reduces the shards' norms; it clips every parameter itself (it takes
         # no error_if_nonfinite: the norm is checked after, by clip_grad_norm).
-        norm: torch.Tensor = self._root().clip_grad_norm_(max_norm, norm_type)
+        norm: torch.Tensor = self._root().clip_grad_norm_(options["max_norm"], options["norm_type"])
         return norm
 
     def grad_scaler(self, device_type: str, **kwargs: Any) -> torch.amp.GradScaler:
