@@ -187,7 +187,8 @@ def contract(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     oracle_optim.step()
     names = [n for n, _ in net.named_parameters()]
     oracle_avg = {names[i]: s["exp_avg"] for i, s in oracle_optim.state_dict()["state"].items()}
-    state = backend.optim_state(optimizer, full=True)
+    # a snapshot: on the CPU the full state shares memory with the live moments
+    state = copy.deepcopy(backend.optim_state(optimizer, full=True))
     out["optim_names"] = state["param_groups"][0]["params"]
     out["exp_avg"] = max_diff({n: s["exp_avg"] for n, s in state["state"].items()}, oracle_avg)
     rank0_optim = backend.optim_state(optimizer, full=True, rank0_only=True)

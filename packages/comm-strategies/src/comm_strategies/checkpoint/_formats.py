@@ -140,8 +140,10 @@ class FullFormat:
         self, backend: Backend, optimizers: Optimizers, folder: Path, attempts: Attempts
     ) -> dict[str, list[Any]]:
         leader = dist.get_rank() == 0
-        params = backend.param_shapes()
         state = backend.model_state(full=True, rank0_only=True)
+        # What rank 0 writes, described from the state it holds (asking the model for its
+        # shapes would cost FSDP1 a sharded state dict: every unit unsharded once more).
+        params = describe_params(state) if leader else {}
         if leader:
             attempts.run(save_tensor_file, state, folder / MODEL_FILE, what=MODEL_FILE)
         del state
@@ -199,7 +201,8 @@ class DcpFormat:
                 f"torch distributed checkpoint could not write {folder / DCP_FOLDER}: {caught}"
             )
             raise CheckpointError(message) from caught
-        return backend.param_shapes()
+        with quiet_torch():  # the shapes of the state written (global shapes of shards)
+            return describe_params(state["model"])
 
     def read(
         self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest

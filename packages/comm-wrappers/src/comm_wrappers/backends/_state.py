@@ -31,18 +31,16 @@ def quiet_torch() -> Iterator[None]:
 
 
 def to_cpu(state: Any) -> Any:
-    """A nested state with every tensor copied to the CPU (full tensors for DTensors).
+    """A nested state with every tensor detached on the CPU (full tensors for DTensors).
 
-    Always a copy, never a view of live parameters or optimizer state: a state taken now
-    keeps its values while training goes on (a background save).
+    A tensor on the CPU already is not copied: the state may share memory with the live
+    parameters and optimizer state (copying a whole model costs a save that much time);
+    a caller that keeps it while training goes on copies it.
     """
     if isinstance(state, torch.Tensor):
         full = getattr(state, "full_tensor", None)
         tensor = full() if callable(full) else state
-        out = tensor.detach().cpu()
-        if out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-            out = out.clone()  # it was on the CPU already
-        return out
+        return tensor.detach().cpu()
     if isinstance(state, Mapping):
         return {key: to_cpu(value) for key, value in state.items()}
     if isinstance(state, list):
