@@ -26,7 +26,7 @@ __all__ = [
     "rebuild_over",
 ]
 
-_WRAPPERS: dict[str, type[OptimWrapper]] = {
+_OPTIM_WRAPPER_TYPES: dict[str, type[OptimWrapper]] = {
     "OptimWrapper": OptimWrapper,
     "AmpOptimWrapper": AmpOptimWrapper,
 }
@@ -138,13 +138,13 @@ def build_optim_wrapper(config: Any, model: nn.Module) -> Any:
             raise ValueError(message)
     optimizer = build_optimizer(options.pop("optimizer"), model)
     if isinstance(kind, str):
-        if kind not in _WRAPPERS:
+        if kind not in _OPTIM_WRAPPER_TYPES:
             message = (
-                f"unknown optim_wrapper type {kind!r}; expected one of {', '.join(_WRAPPERS)} "
+                f"unknown optim_wrapper type {kind!r}; expected one of {', '.join(_OPTIM_WRAPPER_TYPES)} "
                 "or a class"
             )
             raise ValueError(message)
-        kind = _WRAPPERS[kind]
+        kind = _OPTIM_WRAPPER_TYPES[kind]
     return kind(optimizer, **options)
 
 

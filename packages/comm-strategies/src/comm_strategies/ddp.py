@@ -15,7 +15,7 @@ from .base import Strategy
 
 __all__ = ["DDPStrategy"]
 
-_WRAPPERS: dict[str, type[nn.Module]] = {
+_DDP_WRAPPER_TYPES: dict[str, type[nn.Module]] = {
     "MMDistributedDataParallel": MMDistributedDataParallel,
     "MMSeparateDistributedDataParallel": MMSeparateDistributedDataParallel,
 }
@@ -51,17 +51,15 @@ class DDPStrategy(Strategy):
             raise ValueError(message)
         self.model_wrapper = copy.deepcopy(dict(model_wrapper or {}))
         kind = self.model_wrapper.get("type", "MMDistributedDataParallel")
-        if isinstance(kind, str) and kind not in _WRAPPERS:
-            message = (
-                f"model_wrapper type must be one of {', '.join(_WRAPPERS)} or a class, got {kind!r}"
-            )
+        if isinstance(kind, str) and kind not in _DDP_WRAPPER_TYPES:
+            message = f"model_wrapper type must be one of {', '.join(_DDP_WRAPPER_TYPES)} or a class, got {kind!r}"
             raise ValueError(message)
         self.sync_bn = sync_bn
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         options = copy.deepcopy(self.model_wrapper)
         kind = options.pop("type", "MMDistributedDataParallel")
-        wrapper = _WRAPPERS[kind] if isinstance(kind, str) else kind
+        wrapper = _DDP_WRAPPER_TYPES[kind] if isinstance(kind, str) else kind
         if self.sync_bn == "torch":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
         model = model.to(rank_device())

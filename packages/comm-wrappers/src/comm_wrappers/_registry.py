@@ -15,7 +15,7 @@ Unwrap = Callable[[Any], Any]
 
 # Wrapper type -> how to reach the wrapped module. Searched in registration order, by
 # isinstance, so a subclass of a registered type is a wrapper too.
-_WRAPPERS: dict[type, Unwrap] = {}
+_UNWRAP: dict[type, Unwrap] = {}
 
 
 def _inner_module(model: Any) -> Any:
@@ -55,18 +55,18 @@ def register_model_wrapper(
     if not isinstance(wrapper_type, type):
         message = f"register_model_wrapper expects a class, got {type(wrapper_type).__name__}"
         raise TypeError(message)
-    if wrapper_type in _WRAPPERS and not override:
+    if wrapper_type in _UNWRAP and not override:
         message = (
             f"{wrapper_type.__qualname__} is already a registered model wrapper; "
             "pass override=True to replace its registration"
         )
         raise ValueError(message)
-    _WRAPPERS[wrapper_type] = unwrap or _inner_module
+    _UNWRAP[wrapper_type] = unwrap or _inner_module
     return wrapper_type
 
 
 def _find(model: Any) -> Unwrap | None:
-    for wrapper_type, unwrap in _WRAPPERS.items():
+    for wrapper_type, unwrap in _UNWRAP.items():
         if isinstance(model, wrapper_type):
             return unwrap
     return None
@@ -129,10 +129,10 @@ def _register_builtins() -> None:
         nn.DataParallel,
         FullyShardedDataParallel,
     ):
-        _WRAPPERS.setdefault(wrapper_type, _inner_module)
+        _UNWRAP.setdefault(wrapper_type, _inner_module)
     fsdp2 = _fsdp2_module_type()
     if fsdp2 is not None:
-        _WRAPPERS.setdefault(fsdp2, lambda model: model)
+        _UNWRAP.setdefault(fsdp2, lambda model: model)
     _register_imported()
 
 
@@ -159,10 +159,10 @@ def _register_imported() -> None:
     """
     engine = _deepspeed_engine_type()
     if engine is not None:
-        _WRAPPERS.setdefault(engine, _inner_module)
+        _UNWRAP.setdefault(engine, _inner_module)
     compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if compiled is not None:  # torch.compile(model): the user's module is _orig_mod
-        _WRAPPERS.setdefault(compiled, lambda model: model._orig_mod)
+        _UNWRAP.setdefault(compiled, lambda model: model._orig_mod)
 
 
 def module_device(module: nn.Module) -> torch.device:
