@@ -25,7 +25,7 @@ from ._faults import transport
 from ._frame import Header, Inline, dtype_code, inline_payloads, signature_of
 from ._handshake import handshake
 from ._modes import checks_enabled, local_fault
-from .tensors import (
+from ._reduce import (
     backend_reduce,
     check_op_dtype,
     prepare_reduction,

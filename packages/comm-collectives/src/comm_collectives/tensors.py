@@ -20,35 +20,28 @@ from comm_core import get_comm_device, get_rank, get_world_size
 from ._agree import agree
 from ._buffers import empty_bytes
 from ._faults import transport
-from ._frame import REDUCE_OPS, Header, Inline, Peer, inline_payloads
+from ._frame import Header, Inline
 from ._handshake import handshake
 from ._modes import checks_enabled, local_fault
+from ._reduce import (
+    backend_reduce,
+    check_op_dtype,
+    inline_rows,
+    reduce_inplace,
+    reduce_op_name,
+    reduce_rows,
+    write_back,
+)
 from ._route import all_gather_flat
 
 __all__ = [
     "all_gather",
     "all_reduce",
-    "backend_reduce",
     "broadcast",
-    "check_op_dtype",
     "gather",
     "global_rank",
-    "prepare_reduction",
-    "reduce_inplace",
-    "reduce_op_name",
-    "reduce_rows",
     "sync_random_seed",
-    "write_back",
 ]
-
-
-def reduce_op_name(op: str) -> str:
-    """Return the canonical name of a reduce op, or raise a ValueError listing the valid ones."""
-    name = op.lower() if isinstance(op, str) else op
-    if name not in REDUCE_OPS:
-        message = f"Unknown reduce op {op!r}; expected one of {', '.join(REDUCE_OPS)}."
-        raise ValueError(message)
-    return str(name)
 
 
 def global_rank(group: torch_dist.ProcessGroup | None, rank: int) -> int:
@@ -84,243 +77,6 @@ def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device).contiguous()
 
 
-def _check_bool_op(dtype: torch.dtype, op: str, operation: str) -> None:
-    if dtype == torch.bool and op in ("sum", "mean"):
-        message = (
-            f"{operation}: op={op!r} is not defined for a bool tensor; use 'max' (any) or "
-            "'min' (all), or convert the tensor to an integer dtype."
-        )
-        raise TypeError(message)
-    if dtype.is_complex and op in ("max", "min"):
-        message = f"{operation}: op={op!r} is not defined for a complex tensor."
-        raise TypeError(message)
-
-
-def check_op_dtype(dtype: torch.dtype, op: str, operation: str) -> None:
-    """Raise a TypeError when ``op`` is not defined for ``dtype`` (bool sums, complex max)."""
-    _check_bool_op(dtype, op, operation)
-
-
-def _exact_mean(sums: torch.Tensor, world: int, dtype: torch.dtype, operation: str) -> torch.Tensor:
-    """``sums / world`` for integer sums (int64), or a ValueError when one is not exact."""
-    quotient = torch.div(sums, world, rounding_mode="floor")
-    inexact = quotient * world != sums
-    if bool(inexact.any()):
-        first = int(inexact.reshape(-1).nonzero()[0])
-        total = int(sums.reshape(-1)[first])
-        message = (
-            f"{operation}(op='mean') on a {dtype} tensor: the mean is not an integer "
-            f"for {int(inexact.sum())} of {sums.numel()} elements (element {first}: sum "
-            f"{total} over {world} ranks = {total / world}). The tensor is left unchanged; "
-            "convert it to a floating dtype first, e.g. data = data.float()."
-        )
-        raise ValueError(message)
-    return quotient
-
-
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a reduction of ``dtype`` computes in: wide enough, and the same on every
-    path (float32 for the 16- and 8-bit floats, int64 for every integer)."""
-    if dtype == torch.bool:
-        return torch.uint8
-    if dtype.is_complex:
-        return torch.complex128 if dtype == torch.complex128 else torch.complex64
-    if dtype.is_floating_point:
-        return torch.float64 if dtype == torch.float64 else torch.float32
-    return torch.int64
-
-
-_SIGN = -(2**63)  # flips uint64's order into int64's
-
-
-def _widen(row: torch.Tensor, acc: torch.dtype, op: str) -> torch.Tensor:
-    if row.dtype == torch.uint64:  # bit-exact: a view, with the order fixed for max / min
-        wide = row.view(torch.int64)
-        return wide ^ _SIGN if op in ("max", "min") else wide
-    return row.to(acc)
-
-
-def reduce_rows(rows: torch.Tensor, op: str, operation: str, *, exact: bool = True) -> torch.Tensor:
-    """Reduce ``rows`` (one row per rank, in rank order) over its first dimension.
-
-    This is the one reduction of comm-collectives: the inline path applies it to the rows
-    gathered in the handshake, the long path to the chunk each rank owns, so both give the
-    same bits for every dtype and op. It accumulates in rank order, element by element,
-    in ``_accumulator(dtype)``, and rounds once to the dtype at the end. ``mean`` of an
-    integer dtype is exact (a ValueError names an inexact element); with ``exact=False``
-    it returns the int64 sums instead, for the caller to check once it holds them all.
-    """
-    world, dtype = rows.shape[0], rows.dtype
-    _check_bool_op(dtype, op, operation)
-    acc_dtype = _accumulator(dtype)
-    acc = _widen(rows[0], acc_dtype, op).clone()
-    for index in range(1, world):
-        row = _widen(rows[index], acc_dtype, op)
-        if op in ("sum", "mean"):
-            acc.add_(row)
-        elif op == "product" and acc.is_complex():
-            acc = _complex_product(acc, row)
-        elif op == "product":
-            acc.mul_(row)
-        elif op == "max":
-            acc = torch.maximum(acc, row)
-        else:
-            acc = torch.minimum(acc, row)
-    integral = not (dtype.is_floating_point or dtype.is_complex)
-    if op == "mean" and integral:
-        return _exact_mean(acc, world, dtype, operation).to(dtype) if exact else acc
-    if op == "mean":
-        acc.div_(world)
-    if dtype == torch.uint64:
-        return (acc ^ _SIGN if op in ("max", "min") else acc).view(torch.uint64)
-    return acc.to(dtype)
-
-
-def _complex_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a * b`` in real arithmetic, one rounding per step: a vectorised complex multiply
-    may round differently in the body of a loop and in its tail, and then a result would
-    depend on where in a buffer an element sits."""
-    ar, ai = a.real, a.imag
-    br, bi = b.real, b.imag
-    return torch.complex(ar * br - ai * bi, ar * bi + ai * br)
-
-
-def _inline_rows(peers: list[Peer], dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """Each rank's inline data as a flat tensor of ``dtype``; None unless all came inline."""
-    payloads = inline_payloads(peers)
-    return None if payloads is None else [p.view(dtype) for p in payloads]
-
-
-class _Reduction:
-    """The long path of a reduction, prepared (every buffer allocated) before any data moves.
-
-    Each rank owns one chunk of the flat data: an all-to-all hands every rank the others'
-    pieces of its chunk, the rank reduces them with ``reduce_rows`` in rank order, and an
-    all-gather returns the reduced chunks to every rank. The bytes moved are those of a
-    ring all-reduce, and the result is bit-identical to the inline path's. ``parts`` are
-    tensors of one dtype (on any devices), reduced as one flat buffer.
-    """
-
-    def __init__(
-        self,
-        parts: list[torch.Tensor],
-        op: str,
-        group: torch_dist.ProcessGroup | None,
-        operation: str,
-    ) -> None:
-        dtype = parts[0].dtype
-        _check_bool_op(dtype, op, operation)
-        self.dtype, self.op, self.group, self.operation = dtype, op, group, operation
-        self.world = get_world_size(group)
-        device = get_comm_device(group)
-        self.numel = sum(p.numel() for p in parts)
-        self.chunk = -(-self.numel // self.world)
-        total = self.chunk * self.world
-        self.send = torch.empty(total, dtype=dtype, device=device)
-        offset = 0
-        with torch.no_grad():
-            for part in parts:
-                n = part.numel()
-                self.send[offset : offset + n].copy_(part.detach().reshape(-1))
-                offset += n
-        if total > self.numel:
-            self.send[self.numel :].view(torch.uint8).zero_()
-        self.recv = torch.empty_like(self.send)
-        self.exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
-        self.out = torch.empty(total, dtype=torch.int64 if self.exact else dtype, device=device)
-
-    def run(self) -> torch.Tensor:
-        """Move the data and return the reduced flat tensor (on the communication device)."""
-        if self.numel:
-            with transport(self.operation, self.group):
-                torch_dist.all_to_all_single(
-                    self.recv.view(torch.uint8), self.send.view(torch.uint8), group=self.group
-                )
-            rows = self.recv.view(self.world, self.chunk)
-            mine = reduce_rows(rows, self.op, self.operation, exact=False).contiguous()
-            with transport(self.operation, self.group):
-                all_gather_flat(
-                    self.out.view(torch.uint8), mine.view(torch.uint8), group=self.group
-                )
-        result = self.out[: self.numel]
-        if self.exact:
-            result = _exact_mean(result, self.world, self.dtype, self.operation)
-        return result
-
-
-_TORCH_OPS = {
-    "sum": torch_dist.ReduceOp.SUM,
-    "mean": torch_dist.ReduceOp.SUM,
-    "max": torch_dist.ReduceOp.MAX,
-    "min": torch_dist.ReduceOp.MIN,
-    "product": torch_dist.ReduceOp.PRODUCT,
-}
-
-
-def backend_reduce(
-    parts: list[torch.Tensor], op: str, group: torch_dist.ProcessGroup | None, operation: str
-) -> torch.Tensor:
-    """Reduce ``parts`` (one dtype) as one flat buffer with the backend's own all-reduce.
-
-    The unchecked path: no handshake, the backend's reduction order. Integer means stay
-    exact (int64 sums, checked on every rank); bools reduce as uint8.
-    """
-    dtype = parts[0].dtype
-    _check_bool_op(dtype, op, operation)
-    device = get_comm_device(group)
-    exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
-    wire = torch.int64 if exact else torch.uint8 if dtype == torch.bool else dtype
-    flats = [p.detach().reshape(-1).to(device=device, dtype=wire) for p in parts]
-    work = flats[0].clone() if len(flats) == 1 else torch.cat(flats)
-    with transport(operation, group):
-        torch_dist.all_reduce(work, _TORCH_OPS[op], group=group)
-    if exact:
-        return _exact_mean(work, get_world_size(group), dtype, operation)
-    if op == "mean":
-        work.div_(get_world_size(group))
-    return work if wire == dtype else work.to(dtype)
-
-
-def prepare_reduction(
-    parts: list[torch.Tensor], op: str, group: torch_dist.ProcessGroup | None, operation: str
-) -> _Reduction:
-    """Allocate the long path of reducing ``parts`` as one flat buffer (see ``_Reduction``).
-
-    It may raise (a device move, an allocation): the caller then passes the error to
-    [`agree`][comm_collectives.agree] before any data moves.
-    """
-    local_fault("staging", operation)
-    return _Reduction(parts, op, group, operation)
-
-
-def reduce_inplace(
-    tensor: torch.Tensor, op: str, group: torch_dist.ProcessGroup | None, operation: str
-) -> None:
-    """Reduce ``tensor`` across ``group`` in place, after the handshake (the caller did it).
-
-    The buffers are prepared first and a second vote ([`agree`][comm_collectives.agree])
-    makes a local failure there raise on every rank. ``mean`` of an integer tensor is exact:
-    the sums are reduced in int64 and the result is stored only when every element divides
-    evenly; otherwise a ValueError (the same on every rank, since every rank holds the same
-    sums) leaves ``tensor`` untouched.
-    """
-    reduction: _Reduction | None = None
-    error: BaseException | None = None
-    try:
-        reduction = prepare_reduction([tensor], op, group, operation)
-    except Exception as exc:
-        error = exc
-    agree(operation, error, group=group)
-    assert reduction is not None
-    write_back(tensor, reduction.run())
-
-
-def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
-    """Copy a reduced flat tensor into ``tensor`` (no autograd: a leaf may require grad)."""
-    with torch.no_grad():
-        tensor.copy_(flat.view(tensor.shape))
-
-
 def all_reduce(
     data: torch.Tensor, op: str = "sum", group: torch_dist.ProcessGroup | None = None
 ) -> None:
@@ -352,7 +108,7 @@ def all_reduce(
     try:
         name = reduce_op_name(op)
         _check_tensor("all_reduce", data)
-        _check_bool_op(data.dtype, name, "all_reduce")
+        check_op_dtype(data.dtype, name, "all_reduce")
         local_fault("local", "all_reduce")
     except Exception as exc:
         error = exc
@@ -371,7 +127,7 @@ def all_reduce(
         payload=Inline.of_tensor(data) if ok else None,
         varying=False,
     )
-    rows = _inline_rows(peers, data.dtype)
+    rows = inline_rows(peers, data.dtype)
     if rows is None:
         reduce_inplace(data, name, group, "all_reduce")
     else:
@@ -405,7 +161,7 @@ def _gather_layout(
         payload=Inline.of_tensor(data) if ok else None,
     )
     shapes = [p.shape or () for p in peers]
-    rows = _inline_rows(peers, data.dtype)
+    rows = inline_rows(peers, data.dtype)
     if rows is None:
         return shapes, None
     if not keep:
