@@ -626,6 +626,35 @@ def test_a_failure_capturing_state_on_one_rank_is_an_error_on_every_rank(
         assert "rank 0" in message, message
         assert "this scheduler cannot be saved" in message, message
     assert not (tmp_path / "broken").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_user_state_that_is_not_a_mapping_fails_the_save_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    # dict(extra) once failed outside the recorded writes: a raw ValueError on the saving
+    # rank while the others waited in the outcome vote
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(CheckpointError, match=r"writing the user state \(extra\)"):
+        save_checkpoint(tmp_path / "ckpt", model=model, strategy="single", extra=["step", 5])  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []  # neither the checkpoint nor its temporary folder
+
+
+def test_a_text_file_is_a_checkpoint_error(tmp_path: Path) -> None:
+    # the weights-only unpickler stops on stray bytes with a bare KeyError or IndexError
+    for name, text in (("hello.pth", "hello\n"), ("notes.pth", "a\nb c\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(CheckpointError, match="truncated or corrupt"):
+            load_checkpoint(tmp_path / name, model=torch.nn.Linear(3, 2))
+
+
+@pytest.mark.parametrize("timeout", ["5", True, [1]])
+def test_a_timeout_that_is_not_a_number_is_refused(tmp_path: Path, timeout: Any) -> None:
+    with pytest.raises(CheckpointError, match="timeout must be a number of seconds"):
+        save_checkpoint(
+            tmp_path / "ckpt", model=torch.nn.Linear(3, 2), strategy="single", timeout=timeout
+        )
+    assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------- DeepSpeed's own folder

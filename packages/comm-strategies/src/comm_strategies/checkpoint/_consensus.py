@@ -34,6 +34,12 @@ def where() -> str:
 def handshake_timeout(timeout: float | None, operation: str) -> float:
     """The timeout of the entry handshake: the argument, the variable, or the default."""
     if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            message = (
+                f"{operation}: timeout must be a number of seconds, got {timeout!r} "
+                f"({type(timeout).__name__})"
+            )
+            raise CheckpointError(message)
         return _checked(float(timeout), "timeout", operation)
     value = os.environ.get(_TIMEOUT_VARIABLE)
     if value:

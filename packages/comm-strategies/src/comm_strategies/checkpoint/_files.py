@@ -92,7 +92,17 @@ def load_tensor_file(
             f"({detail}). {UNSAFE_HINT}."
         )
         raise CheckpointError(message) from error
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+    # the weights-only unpickler also stops on stray bytes (a text file) with a bare
+    # KeyError or IndexError
+    except (
+        RuntimeError,
+        EOFError,
+        OSError,
+        ValueError,
+        KeyError,
+        IndexError,
+        zipfile.BadZipFile,
+    ) as error:
         size = path.stat().st_size
         message = (
             f"{what} {path} is truncated or corrupt ({size} bytes; torch.load says: "

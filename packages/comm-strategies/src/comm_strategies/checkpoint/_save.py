@@ -120,7 +120,12 @@ def save_checkpoint(
     params = FORMATS[fmt].write(backend, optimizers, temporary, attempts)
     scalers = _write_side_files(temporary, attempts, optim_wrapper, schedulers, extra)
     _hook("written")
-    call.vote("written", attempts.error)
+    try:
+        call.vote("written", attempts.error)
+    except CheckpointError:
+        if dist.get_rank() == 0:  # a failed save leaves nothing behind
+            _publish.abandon(temporary)
+        raise
     error = None
     if dist.get_rank() == 0:
         try:  # any failure here (not only the filesystem's) must reach the other ranks
@@ -222,7 +227,10 @@ def _write_side_files(
             what="the grad scaler",
         )
     if extra:
-        attempts.run(save_tensor_file, dict(extra), folder / EXTRA_FILE)
+        attempts.run(
+            lambda: save_tensor_file(dict(extra), folder / EXTRA_FILE),
+            what="the user state (extra)",
+        )
     return scalers
 
 
