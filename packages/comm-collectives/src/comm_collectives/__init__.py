@@ -17,12 +17,20 @@ from ._buffers import empty_cache
 from ._modes import debug_enabled, debug_mode, unchecked
 from ._store import rendezvous
 from .coalesced import all_reduce_dict, all_reduce_params
-from .objects import all_gather_object, broadcast_object_list, gather_object
+from .objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    scatter_object_list,
+)
 from .results import collect_results, collect_results_cpu, collect_results_gpu
+from .rooted import reduce, scatter
 from .tensors import all_gather, all_reduce, broadcast, gather, sync_random_seed
+from .work import Work
 
 __all__ = [
     *[name for name in _core_all if name != "__version__"],
+    "Work",
     "__version__",
     "agree",
     "all_gather",
@@ -40,7 +48,10 @@ __all__ = [
     "empty_cache",
     "gather",
     "gather_object",
+    "reduce",
     "rendezvous",
+    "scatter",
+    "scatter_object_list",
     "sync_random_seed",
     "unchecked",
 ]

@@ -25,7 +25,7 @@ from comm_core import (
 
 from ._store import default_store, post_and_wait
 
-__all__ = ["transport"]
+__all__ = ["peer_transport", "silent_ranks", "transport"]
 
 # How long a rank that saw a transport error waits for the others to report alive.
 _LIVENESS_WAIT_S = 3.0
@@ -54,7 +54,7 @@ def _transport_error(
 ) -> CommError:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     me = get_rank(group)
-    lost = _silent_ranks(group)
+    lost = silent_ranks(group)
     if "timed out" in text.lower() or "timeout" in text.lower():
         silent = (
             f" Rank(s) {', '.join(map(str, lost))} did not report alive within "
@@ -93,7 +93,7 @@ def _transport_error(
 _transport_failures: dict[str, int] = {}
 
 
-def _silent_ranks(group: torch_dist.ProcessGroup | None) -> list[int] | None:
+def silent_ranks(group: torch_dist.ProcessGroup | None) -> list[int] | None:
     """The ranks of ``group`` that do not show up in the store within a few seconds
     (None when the store cannot be reached)."""
     pg = group if group is not None else torch_dist.distributed_c10d._get_default_group()
@@ -107,3 +107,39 @@ def _silent_ranks(group: torch_dist.ProcessGroup | None) -> list[int] | None:
         return post_and_wait(default_store(), keys, me, b"1", _LIVENESS_WAIT_S)
     except Exception:
         return None
+
+
+@contextlib.contextmanager
+def peer_transport(
+    operation: str, group: torch_dist.ProcessGroup | None, peers: list[int]
+) -> Iterator[None]:
+    """``transport`` for a point-to-point call: a transport error names the peer.
+
+    Only two ranks take part, so the others are not asked whether they are alive: a
+    closed connection makes a [`RemoteRankError`][comm_core.RemoteRankError] naming the
+    peer, a backend timeout a [`CommTimeoutError`][comm_core.CommTimeoutError] naming it.
+    """
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        me = get_rank(group)
+        named = ", ".join(map(str, peers))
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            message = (
+                f"{operation} timed out on rank {me}: {text}. Rank(s) {named} (the peer) not "
+                "heard from: it did not make the matching call, or died. Check its log."
+            )
+            raise CommTimeoutError(message) from exc
+        failures = [
+            RankFailure(
+                peer,
+                "comm.RankLost",
+                f"the peer stopped answering in the middle of {operation} (seen from rank "
+                f"{me}: {text}); its process probably died: check its log",
+            )
+            for peer in peers
+        ]
+        raise RemoteRankError(operation, failures) from exc

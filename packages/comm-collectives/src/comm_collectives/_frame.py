@@ -62,6 +62,13 @@ OPERATIONS = (
     "all_reduce_params",
     "collect_results",
     "sync_random_seed",
+    # appended, so the codes above keep their meaning in protocol version 2
+    "reduce",
+    "scatter",
+    "scatter_object_list",
+    "barrier",
+    "send",
+    "send_object_list",
 )
 REDUCE_OPS = ("sum", "mean", "max", "min", "product")
 

@@ -9,6 +9,8 @@ all reduce through here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as torch_dist
 
@@ -28,15 +30,45 @@ __all__ = [
     "reduce_inplace",
     "reduce_op_name",
     "reduce_rows",
+    "start_backend_reduce",
     "write_back",
 ]
 
 
-def reduce_op_name(op: str) -> str:
-    """Return the canonical name of a reduce op, or raise a ValueError listing the valid ones."""
+def _torch_op_name(op: object) -> str | None:
+    """The name of a torch ``ReduceOp`` (``ReduceOp.SUM``, ``ReduceOp.AVG``, ...), else None."""
+    red = torch_dist.ReduceOp
+    for member, name in (
+        (red.SUM, "sum"),
+        (red.AVG, "mean"),
+        (red.MAX, "max"),
+        (red.MIN, "min"),
+        (red.PRODUCT, "product"),
+    ):
+        try:
+            if op == member:
+                return name
+        except TypeError:
+            return None
+    return None
+
+
+def reduce_op_name(op: object) -> str:
+    """Return the canonical name of a reduce op, or raise a ValueError listing the valid ones.
+
+    Names (any case) and torch's ``ReduceOp`` values (``SUM``, ``AVG`` = mean, ``MAX``,
+    ``MIN``, ``PRODUCT``) are accepted.
+    """
+    if not isinstance(op, str):
+        torch_name = _torch_op_name(op)
+        if torch_name is not None:
+            return torch_name
     name = op.lower() if isinstance(op, str) else op
     if name not in REDUCE_OPS:
-        message = f"Unknown reduce op {op!r}; expected one of {', '.join(REDUCE_OPS)}."
+        message = (
+            f"Unknown reduce op {op!r}; expected one of {', '.join(REDUCE_OPS)} (or torch's "
+            "ReduceOp.SUM, AVG, MAX, MIN, PRODUCT)."
+        )
         raise ValueError(message)
     return str(name)
 
@@ -218,20 +250,73 @@ def backend_reduce(
     The unchecked path: no handshake, the backend's reduction order. Integer means stay
     exact (int64 sums, checked on every rank); bools reduce as uint8.
     """
+    handle, finish = start_backend_reduce(parts, op, group, operation)
+    with transport(operation, group):
+        handle.wait()
+    return finish()
+
+
+def start_backend_reduce(
+    parts: list[torch.Tensor],
+    op: str,
+    group: torch_dist.ProcessGroup | None,
+    operation: str,
+    dst: int = -1,
+    *,
+    vote: Callable[[BaseException | None], None] | None = None,
+    inplace: bool = False,
+) -> tuple[torch_dist.Work, Callable[[], torch.Tensor]]:
+    """Start the backend's own all-reduce of ``parts`` (or its reduce to ``dst``, a rank of
+    the group's global numbering, when ``dst >= 0``); return its handle and the function
+    that, once it has finished, returns the reduced flat tensor (integer means made exact,
+    raising a ValueError when one is not).
+
+    ``vote`` (the checked paths pass [`agree`][comm_collectives.agree]) is called with the
+    failure of staging the data, or None, before any data moves. With ``inplace`` a single
+    part already contiguous on the communication device in its own dtype is reduced in its
+    own memory (as torch does); the result is then a view of it.
+    """
     dtype = parts[0].dtype
     check_op_dtype(dtype, op, operation)
     device = get_comm_device(group)
     exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
     wire = torch.int64 if exact else torch.uint8 if dtype == torch.bool else dtype
-    flats = [p.detach().reshape(-1).to(device=device, dtype=wire) for p in parts]
-    work = flats[0].clone() if len(flats) == 1 else torch.cat(flats)
+    error: BaseException | None = None
+    work = torch.empty(0)
+    try:
+        if vote is not None:
+            local_fault("staging", operation)
+        first = parts[0]
+        if inplace and not exact and len(parts) == 1 and _own_buffer(first, device, wire):
+            work = first.detach().view(-1)
+        else:
+            flats = [p.detach().reshape(-1).to(device=device, dtype=wire) for p in parts]
+            work = flats[0].clone() if len(flats) == 1 else torch.cat(flats)
+    except Exception as exc:
+        if vote is None:
+            raise
+        error = exc
+    if vote is not None:
+        vote(error)
     with transport(operation, group):
-        torch_dist.all_reduce(work, _TORCH_OPS[op], group=group)
-    if exact:
-        return _exact_mean(work, get_world_size(group), dtype, operation)
-    if op == "mean":
-        work.div_(get_world_size(group))
-    return work if wire == dtype else work.to(dtype)
+        if dst >= 0:
+            handle = torch_dist.reduce(work, dst, _TORCH_OPS[op], group=group, async_op=True)
+        else:
+            handle = torch_dist.all_reduce(work, _TORCH_OPS[op], group=group, async_op=True)
+    assert handle is not None
+
+    def finish() -> torch.Tensor:
+        if exact:
+            return _exact_mean(work, get_world_size(group), dtype, operation)
+        if op == "mean":
+            work.div_(get_world_size(group))
+        return work if wire == dtype else work.to(dtype)
+
+    return handle, finish
+
+
+def _own_buffer(tensor: torch.Tensor, device: torch.device, wire: torch.dtype) -> bool:
+    return tensor.device == device and tensor.dtype == wire and tensor.is_contiguous()
 
 
 def prepare_reduction(
@@ -269,6 +354,9 @@ def reduce_inplace(
 
 
 def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
-    """Copy a reduced flat tensor into ``tensor`` (no autograd: a leaf may require grad)."""
+    """Copy a reduced flat tensor into ``tensor`` (no autograd: a leaf may require grad);
+    nothing to do when ``flat`` is ``tensor``'s own memory (an in-place reduction)."""
+    if flat.data_ptr() == tensor.data_ptr() and flat.numel() == tensor.numel() > 0:
+        return
     with torch.no_grad():
         tensor.copy_(flat.view(tensor.shape))

@@ -31,7 +31,12 @@ from ._route import all_gather_flat
 from ._serialization import Encoded, decode, encode, frame_offsets, head_lengths
 from .tensors import _check_root, global_rank
 
-__all__ = ["all_gather_object", "broadcast_object_list", "gather_object"]
+__all__ = [
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+]
 
 
 def _encode(
@@ -318,3 +323,137 @@ def _plan_message(encoded: Encoded, first: int, end: int, piece: int) -> torch.T
     source = encoded.pieces[piece]  # a direct message always runs to the end of its piece
     view = np.frombuffer(source, dtype=np.uint8)[source.nbytes - (end - first) :]
     return torch.from_numpy(view)
+
+
+def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: list[Any] | None = None,
+    src: int = 0,
+    group: torch_dist.ProcessGroup | None = None,
+) -> None:
+    """Send object ``i`` of ``scatter_object_input_list`` on ``src`` to rank ``i``.
+
+    Each rank receives its object as ``scatter_object_output_list[0]``, like torch's call.
+    Tensors and arrays in the objects travel as raw buffers, without pickling their bytes.
+
+    Args:
+        scatter_object_output_list: A list of at least one item; its first item is
+            replaced with this rank's object.
+        scatter_object_input_list: On ``src``, one picklable object per rank of the group;
+            ignored on the other ranks.
+        src: Sending rank (in ``group``).
+        group: Process group; the default group when None.
+
+    Raises:
+        RemoteRankError: ``src``'s input list has the wrong length or cannot be pickled, or
+            a rank's output list is not a non-empty list (raised on every rank).
+        CollectiveMismatchError: Ranks passed different ``src``.
+
+    Examples:
+        >>> out = [None]
+        >>> scatter_object_list(out, [{"part": 0}], src=0)  # a world of one
+        >>> out
+        [{'part': 0}]
+    """
+    world = get_world_size(group)
+    me = get_rank(group)
+
+    def check() -> None:
+        _check_root("scatter_object_list", src, group, "src")
+        output = scatter_object_output_list
+        if not isinstance(output, list) or not output:
+            message = (
+                "scatter_object_list: scatter_object_output_list must be a list of at least "
+                f"one item (its first item receives the object), got {output!r:.60}."
+            )
+            raise ValueError(message)
+        if me != src:
+            return
+        given = scatter_object_input_list
+        if not isinstance(given, (list, tuple)) or len(given) != world:
+            got = f"{len(given)} items" if isinstance(given, (list, tuple)) else repr(given)
+            message = (
+                f"scatter_object_list: on the source rank {src}, scatter_object_input_list "
+                f"must hold one object per rank of the group ({world}), got {got:.60}."
+            )
+            raise ValueError(message)
+
+    if world == 1:
+        check()
+        assert scatter_object_input_list is not None
+        scatter_object_output_list[0] = scatter_object_input_list[0]
+        return
+    frames: list[Encoded] = []
+    error: BaseException | None = None
+    try:
+        check()
+        local_fault("local", "scatter_object_list")
+        if me == src:
+            assert scatter_object_input_list is not None
+            frames = [encode(obj) for obj in scatter_object_input_list]
+    except Exception as exc:
+        error = exc
+    sizes = np.array([f.nbytes for f in frames], dtype=np.int64)
+    payload = None
+    if frames:
+        whole = sizes.nbytes + int(sizes.sum())
+        payload = _scatter_payload(sizes, frames if whole <= inline_capacity(group) else [])
+    peers = handshake(
+        Header("scatter_object_list", error=error, root=src, count=int(sizes.sum())),
+        group,
+        same=("root",),
+        hint="scatter_object_list needs the same src on every rank.",
+        payload=payload,
+    )
+    inline = peers[src].payload
+    device = get_comm_device(group)
+    if inline is None:  # inline data switched off: the sizes come in a broadcast first
+        table = torch.from_numpy(sizes) if me == src else torch.empty(world, dtype=torch.int64)
+        table = table.to(device)
+        with transport("scatter_object_list", group):
+            torch_dist.broadcast(table, global_rank(group, src), group=group)
+        counts: list[int] = table.cpu().tolist()
+    else:
+        head = inline[: 8 * world].cpu().numpy().copy()
+        counts = head.view(np.int64).tolist()
+        if inline.numel() > 8 * world:  # the objects came inline too
+            start = 8 * world + sum(counts[:me])
+            mine = inline[start : start + counts[me]].cpu().numpy().copy()
+            scatter_object_output_list[0] = decode(mine)
+            return
+    width = max(counts)
+    rows: list[torch.Tensor] | None = None
+    receive = torch.empty(0, dtype=torch.uint8)
+    try:
+        local_fault("staging", "scatter_object_list")
+        receive = empty_bytes(width, device)
+        if me == src:
+            block = empty_bytes(world * width, torch.device("cpu"))
+            array = block.numpy()
+            for index, frame in enumerate(frames):  # each row zero-padded to ``width``
+                frame.write_into(array[index * width : (index + 1) * width], 0, width)
+            rows = list(block.to(device).view(world, width).unbind(0))
+    except Exception as exc:
+        error = exc
+    agree("scatter_object_list", error, group=group)
+    with transport("scatter_object_list", group):
+        torch_dist.scatter(receive, rows, src=global_rank(group, src), group=group)
+    scatter_object_output_list[0] = decode(receive[: counts[me]].cpu().numpy().copy())
+
+
+def _scatter_payload(sizes: np.ndarray[Any, np.dtype[np.int64]], frames: list[Encoded]) -> Inline:
+    """The root's inline data: every frame's size, then (when they fit) the frames."""
+    nbytes = sizes.nbytes + sum(f.nbytes for f in frames)
+
+    def write(out: torch.Tensor) -> None:
+        host = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
+        array = host.numpy()
+        array[: sizes.nbytes] = sizes.view(np.uint8)
+        offset = sizes.nbytes
+        for frame in frames:
+            frame.write_into(array[offset : offset + frame.nbytes])
+            offset += frame.nbytes
+        if host is not out:
+            out.copy_(host)
+
+    return Inline(nbytes, write)

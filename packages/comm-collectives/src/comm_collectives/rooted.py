@@ -1,0 +1,312 @@
+"""Rooted tensor collectives of torch.distributed: reduce (to ``dst``) and scatter (from ``src``).
+
+Both start with the handshake of ``comm_collectives._handshake``: every rank's shape, dtype,
+op and root, and every rank's argument errors (a scatter list of the wrong length or with
+tensors of another shape on the root) are known to every rank before data moves, so a
+mistake on one rank raises on all of them. Small data rides in the handshake frame; larger
+data moves with the backend's own ``reduce`` / ``scatter`` afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as torch_dist
+
+from comm_core import get_comm_device, get_rank, get_world_size
+
+from ._agree import agree
+from ._faults import transport
+from ._frame import Header, Inline
+from ._handshake import handshake
+from ._modes import checks_enabled, local_fault
+from ._reduce import (
+    check_op_dtype,
+    inline_rows,
+    reduce_op_name,
+    reduce_rows,
+    start_backend_reduce,
+    write_back,
+)
+from .tensors import _as_bytes, _check_root, _check_tensor, _plain, _staged, global_rank
+from .work import Work, completed_work
+
+__all__ = ["reduce", "scatter"]
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int = 0,
+    op: str | torch_dist.ReduceOp | torch_dist.ReduceOp.RedOpType = "sum",
+    group: torch_dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``tensor`` of every rank into ``tensor`` of rank ``dst``, in place.
+
+    The tensors of the other ranks are left unchanged (torch leaves them unspecified).
+
+    Args:
+        tensor: The tensor; every rank passes the same shape and dtype.
+        dst: Receiving rank (in ``group``).
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"`` (case-insensitive),
+            or torch's ``ReduceOp.SUM``, ``AVG``, ``MAX``, ``MIN``, ``PRODUCT``. The mean of
+            an integer tensor is exact, or a ValueError.
+        group: Process group; the default group when None.
+        async_op: Return a [`Work`][comm_collectives.Work] handle at once; ``tensor`` of
+            ``dst`` holds the result after its ``wait()``. The checks run at the call.
+
+    Returns:
+        None; a [`Work`][comm_collectives.Work] handle with ``async_op=True``.
+
+    Raises:
+        RemoteRankError: A rank passed a bad argument (unknown op, not a tensor, a ``dst``
+            outside the group); raised on every rank.
+        CollectiveMismatchError: Ranks passed different shapes, dtypes, ops or ``dst``.
+
+    Examples:
+        >>> t = torch.tensor([2.0, 4.0])
+        >>> reduce(t, dst=0, op="mean")  # a world of one: unchanged
+        >>> t
+        tensor([2., 4.])
+    """
+    done = completed_work("reduce") if async_op else None
+    if get_world_size(group) == 1:
+        name = reduce_op_name(op)
+        _check_tensor("reduce", tensor)
+        _check_root("reduce", dst, group, "dst")
+        check_op_dtype(tensor.dtype, name, "reduce")
+        return done
+    me = get_rank(group)
+    if not checks_enabled():
+        name = reduce_op_name(op)
+        _check_root("reduce", dst, group, "dst")
+        return _start(tensor, name, dst, group, async_op, vote=False)
+    name, error = "", None
+    try:
+        name = reduce_op_name(op)
+        _check_tensor("reduce", tensor)
+        _check_root("reduce", dst, group, "dst")
+        check_op_dtype(tensor.dtype, name, "reduce")
+        local_fault("local", "reduce")
+    except Exception as exc:
+        error = exc
+    ok = error is None
+    peers = handshake(
+        Header(
+            "reduce",
+            error=error,
+            dtype=tensor.dtype if ok else None,
+            reduce_op=name or None,
+            root=dst if ok else -1,
+            shape=tuple(tensor.shape) if ok else None,
+        ),
+        group,
+        same=("dtype", "reduce_op", "root", "shape"),
+        hint="reduce needs the same shape, dtype, op and dst on every rank.",
+        payload=Inline.of_tensor(tensor) if ok else None,
+        varying=False,
+    )
+    rows = inline_rows(peers, tensor.dtype)
+    if rows is not None:
+        if me == dst:
+            write_back(tensor, reduce_rows(torch.stack(rows), name, "reduce"))
+        return done
+    return _start(tensor, name, dst, group, async_op, vote=True)
+
+
+def _start(
+    tensor: torch.Tensor,
+    name: str,
+    dst: int,
+    group: torch_dist.ProcessGroup | None,
+    async_op: bool,
+    *,
+    vote: bool,
+) -> Work | None:
+    """The backend's reduce to ``dst`` (staged, voted on when ``vote``); the result is
+    written into ``tensor`` on ``dst`` only."""
+    me = get_rank(group)
+
+    def agreed(failure: BaseException | None) -> None:
+        agree("reduce", failure, group=group)
+
+    handle, result = start_backend_reduce(
+        [tensor],
+        name,
+        group,
+        "reduce",
+        dst=global_rank(group, dst),
+        vote=agreed if vote else None,
+        inplace=me == dst,
+    )
+
+    def finish() -> None:
+        if me == dst:
+            write_back(tensor, result())
+
+    work = Work("reduce", group, [handle], finish)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: torch_dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Copy ``scatter_list[i]`` of rank ``src`` into ``tensor`` of rank ``i``.
+
+    Args:
+        tensor: This rank's output; the same shape and dtype on every rank.
+        scatter_list: On ``src``, one tensor per rank of the group, each of ``tensor``'s
+            shape and dtype; None (or empty) on the other ranks.
+        src: Sending rank (in ``group``).
+        group: Process group; the default group when None.
+        async_op: Return a [`Work`][comm_collectives.Work] handle at once; ``tensor``
+            holds the result after its ``wait()``. The checks run at the call.
+
+    Returns:
+        None; a [`Work`][comm_collectives.Work] handle with ``async_op=True``.
+
+    Raises:
+        RemoteRankError: ``scatter_list`` on ``src`` has the wrong length or a tensor of
+            another shape or dtype, another rank passed one, or an argument is not a
+            tensor; raised on every rank, naming the rank.
+        CollectiveMismatchError: Ranks passed outputs of different shapes or dtypes, or
+            different ``src``.
+
+    Examples:
+        >>> out = torch.zeros(2)
+        >>> scatter(out, [torch.tensor([1.0, 2.0])], src=0)  # a world of one
+        >>> out
+        tensor([1., 2.])
+    """
+    world = get_world_size(group)
+    done = completed_work("scatter") if async_op else None
+
+    def check() -> None:
+        _check_tensor("scatter", tensor)
+        _check_root("scatter", src, group, "src")
+        _check_scatter_list(tensor, scatter_list, src, group, world)
+
+    if world == 1:
+        check()
+        assert scatter_list is not None
+        write_back(tensor, scatter_list[0].reshape(-1))
+        return done
+    me = get_rank(group)
+    error = None
+    try:
+        check()
+        local_fault("local", "scatter")
+    except Exception as exc:
+        error = exc
+    ok = error is None
+    payload = _inline_list(scatter_list) if ok and me == src and scatter_list else None
+    peers = handshake(
+        Header(
+            "scatter",
+            error=error,
+            dtype=tensor.dtype if ok else None,
+            root=src if ok else -1,
+            shape=tuple(tensor.shape) if ok else None,
+        ),
+        group,
+        same=("dtype", "root", "shape"),
+        hint="scatter needs an output tensor of the same shape and dtype on every rank.",
+        payload=payload,
+        varying=False,
+    )
+    inline = peers[src].payload
+    if inline is not None:
+        nbytes = tensor.numel() * tensor.element_size()
+        write_back(tensor, inline[me * nbytes : (me + 1) * nbytes].view(tensor.dtype))
+        return done
+    device = get_comm_device(group)
+    sends: list[torch.Tensor] | None = None
+    work = torch.empty(0)
+    try:
+        local_fault("staging", "scatter")
+        work = _staged(tensor, device)
+        if me == src:
+            assert scatter_list is not None
+            sends = [_as_bytes(_staged(_plain(t), device)) for t in scatter_list]
+    except Exception as exc:
+        error = exc
+    agree("scatter", error, group=group)
+    with transport("scatter", group):
+        handle = torch_dist.scatter(
+            _as_bytes(work), sends, src=global_rank(group, src), group=group, async_op=True
+        )
+    assert handle is not None
+
+    def finish() -> None:
+        if work is not tensor:
+            write_back(tensor, work)
+
+    result = Work("scatter", group, [handle], finish)
+    if async_op:
+        return result
+    result.wait()
+    return None
+
+
+def _check_scatter_list(
+    tensor: torch.Tensor,
+    scatter_list: object,
+    src: int,
+    group: torch_dist.ProcessGroup | None,
+    world: int,
+) -> None:
+    """The root's list: ``world`` tensors of ``tensor``'s shape and dtype; None elsewhere."""
+    me = get_rank(group)
+    if me != src:
+        if scatter_list:
+            message = (
+                f"scatter: scatter_list must be None (or empty) on rank {me}, which is not the "
+                f"source (src={src}); only src sends."
+            )
+            raise ValueError(message)
+        return
+    if not isinstance(scatter_list, (list, tuple)):
+        message = (
+            f"scatter: on the source rank {src}, scatter_list must be a list of {world} "
+            f"tensors, got {type(scatter_list).__name__}."
+        )
+        raise TypeError(message)
+    if len(scatter_list) != world:
+        message = (
+            f"scatter: scatter_list on the source rank {src} must hold one tensor per rank "
+            f"of the group ({world}), got {len(scatter_list)}."
+        )
+        raise ValueError(message)
+    for index, item in enumerate(scatter_list):
+        if not isinstance(item, torch.Tensor):
+            message = (
+                f"scatter: scatter_list[{index}] must be a torch.Tensor, got {type(item).__name__}."
+            )
+            raise TypeError(message)
+        if item.shape != tensor.shape or item.dtype != tensor.dtype:
+            message = (
+                f"scatter: scatter_list[{index}] has shape {tuple(item.shape)} and dtype "
+                f"{item.dtype}; every entry must have the output tensor's shape "
+                f"{tuple(tensor.shape)} and dtype {tensor.dtype}."
+            )
+            raise ValueError(message)
+
+
+def _inline_list(scatter_list: list[torch.Tensor]) -> Inline:
+    """The root's whole list as one inline payload (each receiver takes its slice)."""
+    first = scatter_list[0]
+    each = first.numel() * first.element_size()
+
+    def write(out: torch.Tensor) -> None:
+        for index, item in enumerate(scatter_list):
+            if each:
+                piece = out[index * each : (index + 1) * each]
+                piece.view(item.dtype).view(item.shape).copy_(item.detach())
+
+    return Inline(each * len(scatter_list), write, first.device)

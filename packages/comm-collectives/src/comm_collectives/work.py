@@ -1,0 +1,242 @@
+"""Work handles: what a call with ``async_op=True`` (and ``isend`` / ``irecv``) returns.
+
+The checks of an asynchronous call run at the call: its handshake (every rank's shape,
+dtype, op and root, every rank's local failure) is exchanged before it returns, so a bad
+argument or a mismatch raises on every rank there, as for the blocking call. Only the data
+moves in the background. [`Work.wait`][comm_collectives.Work.wait] waits for it, puts the
+result in place (the copy back into the caller's tensor, the split of an uneven gather)
+and turns a lost peer or an expired ``timeout`` into the library's errors.
+
+A receive posted with ``irecv`` needs this process to read the sender's header before the
+data can be received; every ``wait`` (of any handle) moves such pending receives on, so a
+ring of ``isend`` / ``irecv`` completes whatever order its handles are waited in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch.distributed as torch_dist
+
+from comm_core import CommError, CommTimeoutError, get_rank, get_world_size
+
+from . import _faults
+from ._faults import peer_transport, silent_ranks, transport
+
+__all__ = ["Work", "completed_work"]
+
+# Receives posted by irecv whose header has not been read yet: each is a function that
+# moves its receive on when it can without blocking (see comm_collectives.p2p).
+_pending: list[Callable[[], bool]] = []
+
+_POLL_S = 0.0002
+_POLL_MAX_S = 0.005
+
+
+def _as_seconds(timeout: float | timedelta | None) -> float | None:
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not 0 < seconds < float("inf")
+    ):
+        message = (
+            f"Work.wait: timeout must be a positive, finite number of seconds (or a "
+            f"timedelta), got {timeout!r}."
+        )
+        raise ValueError(message)
+    return float(seconds)
+
+
+def progress_pending() -> None:
+    """Move on every pending receive whose header has arrived (never blocks)."""
+    for step in list(_pending):
+        if step() and step in _pending:
+            _pending.remove(step)
+
+
+class Work:
+    """The handle of an asynchronous call: ``wait()`` for its result.
+
+    Returned by the collectives called with ``async_op=True`` and by
+    [`isend`][comm_collectives.isend] / [`irecv`][comm_collectives.irecv]. In a plain
+    process (no process group), and when the data travelled inside the handshake, the
+    handle is already complete.
+
+    Examples:
+        >>> import torch
+        >>> import comm_collectives as dist
+        >>> t = torch.ones(2)
+        >>> work = dist.all_reduce(t, async_op=True)  # a world of one: already complete
+        >>> work.is_completed(), work.wait(), t
+        (True, True, tensor([1., 1.]))
+    """
+
+    def __init__(
+        self,
+        operation: str,
+        group: torch_dist.ProcessGroup | None,
+        works: Sequence[torch_dist.Work] = (),
+        finish: Callable[[], None] | None = None,
+        *,
+        peers: Sequence[int] | None = None,
+        source: int = -1,
+        step: Callable[[], bool] | None = None,
+    ) -> None:
+        self._operation = operation
+        self._group = group
+        self._works = list(works)
+        self._finish = finish
+        self._peers = None if peers is None else list(peers)
+        self._source = source
+        self._step = step  # a receive that still has to read its header (irecv)
+        self._done = not self._works and finish is None and step is None
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        state = "completed" if self._done else "pending"
+        return f"<comm_collectives.Work {self._operation} {state}>"
+
+    def source_rank(self) -> int:
+        """The rank (in the group) that sent the data of a receive; -1 for other calls."""
+        if self._step is not None:
+            self.wait()
+        return self._source
+
+    def is_completed(self) -> bool:
+        """Return True once the call has finished and its result is in place (never blocks).
+
+        Raises:
+            RemoteRankError: The call failed (a lost peer, a mismatch a receive found).
+        """
+        if self._done:
+            return True
+        if self._error is not None:
+            raise self._error
+        if _pending:
+            progress_pending()
+        if self._step is not None and self._step in _pending:
+            return False
+        with self._guard():
+            if not all(w.is_completed() for w in self._works):
+                return False
+        self.wait()
+        return True
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Wait until the call has finished and its result is in place.
+
+        Args:
+            timeout: At most this many seconds (or a ``timedelta``); None waits up to the
+                process group's own timeout.
+
+        Returns:
+            True, like torch's ``Work.wait``.
+
+        Raises:
+            CommTimeoutError: ``timeout`` passed first; the message names the ranks that
+                did not report alive within a few seconds (dead, or busy elsewhere). The
+                handle stays pending: a later ``wait`` may still complete it.
+            RemoteRankError: A peer died in the transfer (named), or a receive found that
+                the sender sent something else than it posted for (raised on the receiver).
+            ValueError: ``timeout`` is not a positive, finite number of seconds.
+        """
+        seconds = _as_seconds(timeout)
+        if self._done:
+            return True
+        if self._error is not None:
+            raise self._error
+        deadline = None if seconds is None else time.monotonic() + seconds
+        started = time.monotonic()
+        try:
+            self._wait_until(deadline)
+        except _Expired as expired:
+            raise self._timeout_error(time.monotonic() - started, seconds, expired.text) from None
+        except CommError as exc:
+            self._error = exc
+            raise
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        self._done = True
+        self._works = []
+        return True
+
+    def _guard(self) -> contextlib.AbstractContextManager[None]:
+        """Turn the backend's transport errors into the library's (naming the peer of a
+        point-to-point call, or the ranks a liveness check misses)."""
+        if self._peers is not None:
+            return peer_transport(self._operation, self._group, self._peers)
+        return transport(self._operation, self._group)
+
+    def _wait_until(self, deadline: float | None) -> None:
+        if self._step is not None or _pending:
+            self._poll(deadline)  # receives to move on meanwhile: poll, never block
+            return
+        for work in self._works:
+            self._wait_one(work, deadline)
+
+    def _wait_one(self, work: torch_dist.Work, deadline: float | None) -> None:
+        with self._guard():
+            if deadline is None:
+                work.wait()
+                return
+            remaining = max(0.001, deadline - time.monotonic())
+            try:
+                work.wait(timeout=timedelta(seconds=remaining))
+            except RuntimeError as exc:
+                if "timed out" in str(exc).lower() and time.monotonic() >= deadline - 0.01:
+                    raise _Expired(str(exc).strip().splitlines()[0]) from None
+                raise
+
+    def _poll(self, deadline: float | None) -> None:
+        pause = _POLL_S
+        while True:
+            progress_pending()
+            if self._step is None or self._step not in _pending:
+                self._step = None
+                with self._guard():
+                    if all(w.is_completed() for w in self._works):
+                        for work in self._works:
+                            work.wait()  # raises what the transfer raised
+                        return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _Expired("Operation timed out!")
+            time.sleep(pause)
+            pause = min(_POLL_MAX_S, pause * 2)
+
+    def _timeout_error(self, waited: float, timeout: float | None, text: str) -> CommTimeoutError:
+        me, world = get_rank(self._group), get_world_size(self._group)
+        if self._peers is not None:
+            silent: list[int] | None = self._peers
+            who = f"Rank(s) {', '.join(map(str, self._peers))} (the peer) not heard from."
+        else:
+            silent = silent_ranks(self._group)
+            who = (
+                f"Rank(s) {', '.join(map(str, silent))} did not report alive within "
+                f"{_faults._LIVENESS_WAIT_S:g} s (dead, or busy elsewhere)."
+                if silent
+                else "Every rank reported alive: the transfer is slow, not lost."
+            )
+        message = (
+            f"{self._operation} (async) on rank {me} of {world}: wait timed out after "
+            f"{waited:.1f} s (timeout {timeout:g} s; {text}). {who} The handle stays pending: "
+            "wait again to complete it, or end the job if a rank is gone."
+        )
+        return CommTimeoutError(message)
+
+
+class _Expired(Exception):
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+def completed_work(operation: str = "") -> Work:
+    """A handle whose call has already finished (a world of one, data sent inline)."""
+    return Work(operation, None)
