@@ -3,13 +3,16 @@
 Usage::
 
     comm-ckpt inspect PATH [--json] [--allow-unsafe-pickle]
-    comm-ckpt convert SRC DST [--to plain|sharded] [--allow-unsafe-pickle] [--quiet]
+    comm-ckpt convert SRC DST [--to plain|full|sharded|deepspeed] [--allow-unsafe-pickle]
+                              [--quiet] [--progress]
 
 ``inspect`` prints what a checkpoint holds: from the manifest of a comm checkpoint
 folder, or from the tensors of a plain file, or from the files of a DeepSpeed folder.
-``convert`` writes one plain ``torch.load``-able file from any checkpoint (sharded DCP,
-DeepSpeed ZeRO 0-3, full), or a sharded folder from a plain file. Also
-``python -m comm_strategies.cli``.
+``convert`` reads any checkpoint (a comm folder, DeepSpeed's own folder of ZeRO 0-3 or
+its universal layout, a plain file) and writes one plain ``torch.load``-able file
+(``plain``, the weights), a comm folder with the optimizer state (``full`` or
+``sharded``), or DeepSpeed's universal layout (``deepspeed``), which a DeepSpeed engine
+of any ZeRO stage and world size loads. Also ``python -m comm_strategies.cli``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError, convert_checkpoint, read_manifest
+from .checkpoint._convert import TARGETS
 from .checkpoint._manifest import MANIFEST_NAME
 
 __all__ = ["main"]
@@ -148,14 +152,24 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", help="a checkpoint folder, a .pth file or a DeepSpeed folder")
     inspect.add_argument("--json", action="store_true", help="print JSON")
     convert = commands.add_parser(
-        "convert", help="sharded/ZeRO -> one plain file; plain -> sharded folder"
+        "convert",
+        help="any checkpoint -> a plain file, a full or sharded folder, or DeepSpeed's",
+        description=(
+            "Convert a checkpoint offline on the CPU. --to plain: one torch.load-able file "
+            "(weights); full: a checkpoint folder of model.pt/optim.pt; sharded: a torch "
+            "distributed checkpoint folder (both with the optimizer state, loaded by "
+            "load_checkpoint under any strategy and world size); deepspeed: DeepSpeed's "
+            'universal checkpoint (load it with {"checkpoint": {"load_universal": true}}).'
+        ),
     )
     convert.add_argument("source", help="a checkpoint folder, a .pth file or a DeepSpeed folder")
     convert.add_argument(
-        "destination", help="a .pt/.pth/.bin/.ckpt file (plain) or a folder (sharded)"
+        "destination", help="a .pt/.pth/.bin/.ckpt file (plain) or a folder (the others)"
     )
     convert.add_argument(
-        "--to", choices=("plain", "sharded"), help="default: from the destination's suffix"
+        "--to",
+        choices=TARGETS,
+        help="default: plain for a .pt/.pth/.bin/.ckpt destination, else sharded",
     )
     convert.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     convert.add_argument(
@@ -165,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--allow-unsafe-pickle",
             action="store_true",
-            help="read files that need full unpickling (DeepSpeed's); only files you trust",
+            help="read files that need full unpickling (old pickles, foreign objects); "
+            "only files you trust",
         )
     return parser
 

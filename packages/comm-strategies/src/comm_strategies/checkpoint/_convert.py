@@ -1,7 +1,11 @@
-"""Offline conversion: any checkpoint to one plain file, a plain file to a sharded folder.
+"""Offline conversion between every checkpoint format, on the CPU, without a process group.
 
-No process group: DCP is read and written with ``no_dist``, DeepSpeed folders are
-consolidated from their files.
+Sources: a comm checkpoint folder (formats full, dcp, deepspeed), DeepSpeed's own folder
+(ZeRO 0-3, or its universal layout) and a plain ``.pt``/``.pth`` file. Targets: one plain
+file (the weights), a comm folder of format ``full`` or ``dcp`` (``sharded``) with the
+optimizer state, and DeepSpeed's universal layout that a plain DeepSpeed engine of any
+ZeRO stage and world size loads. DCP is read and written with ``no_dist``; DeepSpeed's
+files are read by ``_deepspeed_offline`` with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -18,16 +23,31 @@ import torch
 
 from .._names import strip_prefixes
 from . import _deepspeed_files as ds_files
+from . import _deepspeed_offline as ds_offline
 from . import _publish
 from ._errors import CheckpointError
-from ._files import fsync_enabled, load_tensor_file, write_json
+from ._files import fsync_enabled, load_tensor_file, save_tensor_file, write_json
 from ._formats import quiet_torch, read_dcp_full
-from ._layout import DCP_FOLDER, DS_FOLDER, DS_TAG, MODEL_FILE
+from ._layout import (
+    DCP_FOLDER,
+    DEFAULT_KEY,
+    DS_FOLDER,
+    DS_TAG,
+    EXTRA_FILE,
+    MODEL_FILE,
+    OPTIM_FILE,
+    RNG_FOLDER,
+    SCALER_FILE,
+    SCHEDULERS_FILE,
+)
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest
 from ._params import describe_params
 from ._save import _versions
 
 PLAIN_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+TARGETS = ("plain", "full", "sharded", "deepspeed")
+# What a converted folder copies from a comm source folder as it is.
+_SIDE_FILES = (SCHEDULERS_FILE, SCALER_FILE, EXTRA_FILE)
 
 
 class Progress:
@@ -105,39 +125,125 @@ def save_with_progress(obj: Any, path: Path, *, progress: bool, label: str) -> N
         bar.close()
 
 
+@dataclass
+class Source:
+    """A checkpoint read into full states in this process.
+
+    Attributes:
+        model: The full model state (parameters and buffers) by name.
+        optim: The optimizer states by key (``"default"`` for one optimizer), each in
+            torch's full form keyed by parameter names; empty when the source has none.
+        manifest: The source folder's manifest (a comm checkpoint), else None.
+        folder: The comm source folder whose side files (schedulers, scaler, user state,
+            RNG) a converted folder copies, else None.
+        strategy: The strategy that saved it (``"deepspeed"`` for DeepSpeed's own folder,
+            ``"convert"`` for a plain file).
+        world_size: How many ranks saved it.
+        deepspeed: DeepSpeed's step counter and LR scheduler state, for a DeepSpeed source.
+    """
+
+    model: dict[str, torch.Tensor]
+    optim: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest | None = None
+    folder: Path | None = None
+    strategy: str = "convert"
+    world_size: int = 1
+    deepspeed: ds_offline.DeepSpeedState | None = None
+
+
+def _plain_file(source: Path, unsafe: bool) -> dict[str, torch.Tensor]:
+    data = load_tensor_file(source, allow_unsafe_pickle=unsafe, mmap=True, what="checkpoint")
+    if isinstance(data, Mapping) and isinstance(data.get("state_dict"), Mapping):
+        data = data["state_dict"]
+    elif isinstance(data, Mapping) and isinstance(data.get("module"), Mapping):
+        data = data["module"]
+    if not isinstance(data, Mapping) or not any(isinstance(v, torch.Tensor) for v in data.values()):
+        kind = (
+            f"a dict with keys {sorted(map(str, data))[:8]}"
+            if isinstance(data, Mapping)
+            else (f"a {type(data).__name__}")
+        )
+        message = (
+            f"{source} holds no state dict: expected {{name: tensor}} or "
+            f"{{'state_dict': {{name: tensor}}}}, got {kind}"
+        )
+        raise CheckpointError(message)
+    return strip_prefixes({k: v for k, v in data.items() if isinstance(v, torch.Tensor)})
+
+
+def _deepspeed_source(tag_dir: Path, *, optimizer: bool, unsafe: bool) -> Source:
+    state = ds_offline.read_folder(tag_dir, optimizer=optimizer, allow_unsafe_pickle=unsafe)
+    return Source(
+        model=state.model,
+        optim={DEFAULT_KEY: state.optim} if state.optim else {},
+        strategy="deepspeed",
+        world_size=state.world_size,
+        deepspeed=state,
+    )
+
+
+def read_source(
+    source: Path, *, optimizer: bool = True, allow_unsafe_pickle: bool = False
+) -> Source:
+    """Read any checkpoint into full states in this process (no process group).
+
+    Raises:
+        CheckpointError: The path does not exist or holds no checkpoint (a folder that is
+            neither a comm checkpoint nor DeepSpeed's), or a file is damaged.
+    """
+    unsafe = allow_unsafe_pickle
+    if not source.exists():
+        message = f"checkpoint {source} does not exist"
+        raise CheckpointError(message)
+    if source.is_file():
+        return Source(model=_plain_file(source, unsafe))
+    if not (source / MANIFEST_NAME).is_file():
+        if not ds_files.is_deepspeed_folder(source):
+            message = (
+                f"{source} is not a checkpoint: it has no {MANIFEST_NAME} (a comm checkpoint "
+                "folder) and no *model_states.pt (a DeepSpeed checkpoint folder, save_dir or "
+                "save_dir/tag). Pass a checkpoint folder or a .pt/.pth file."
+            )
+            raise CheckpointError(message)
+        save_dir, tag = ds_files.split_folder(source)
+        return _deepspeed_source(save_dir / tag, optimizer=optimizer, unsafe=unsafe)
+    manifest = read_manifest(source)
+    common: dict[str, Any] = {
+        "manifest": manifest,
+        "folder": source,
+        "strategy": manifest.strategy,
+        "world_size": manifest.world_size,
+    }
+    want_optim = optimizer and manifest.has_optimizer
+    if manifest.format == "dcp":
+        full = read_dcp_full(source)
+        optim = dict(full.get("optim", {})) if want_optim else {}
+        return Source(model=dict(full["model"]), optim=optim, **common)
+    portable = manifest.format == "full" or (source / MODEL_FILE).is_file()
+    if portable:  # format full, or a DeepSpeed folder with its portable copy beside
+        model = load_tensor_file(
+            source / MODEL_FILE, allow_unsafe_pickle=unsafe, mmap=True, what="model state"
+        )
+        optim = {}
+        if want_optim and (source / OPTIM_FILE).is_file():
+            optim = dict(
+                load_tensor_file(
+                    source / OPTIM_FILE,
+                    allow_unsafe_pickle=unsafe,
+                    mmap=True,
+                    what="optimizer state",
+                )
+            )
+        return Source(model=dict(model), optim=optim, **common)
+    read = _deepspeed_source(source / DS_FOLDER / DS_TAG, optimizer=want_optim, unsafe=unsafe)
+    return Source(model=read.model, optim=read.optim, deepspeed=read.deepspeed, **common)
+
+
 def full_model_state_of(
     source: Path, *, allow_unsafe_pickle: bool = False
 ) -> dict[str, torch.Tensor]:
     """The full model state dict of any checkpoint, read in this process (no group)."""
-    if source.is_file():
-        data = load_tensor_file(
-            source, allow_unsafe_pickle=allow_unsafe_pickle, mmap=True, what="checkpoint"
-        )
-        if isinstance(data, Mapping) and isinstance(data.get("state_dict"), Mapping):
-            data = data["state_dict"]
-        elif isinstance(data, Mapping) and isinstance(data.get("module"), Mapping):
-            data = data["module"]
-        if not isinstance(data, Mapping):
-            message = f"{source} holds a {type(data).__name__}, not a state dict"
-            raise CheckpointError(message)
-        return strip_prefixes({k: v for k, v in data.items() if isinstance(v, torch.Tensor)})
-    if not (source / MANIFEST_NAME).is_file() and ds_files.is_deepspeed_folder(source):
-        return ds_files.consolidate(source, allow_unsafe_pickle=allow_unsafe_pickle)
-    manifest = read_manifest(source)
-    if manifest.format == "full":
-        state: dict[str, torch.Tensor] = load_tensor_file(
-            source / MODEL_FILE,
-            allow_unsafe_pickle=allow_unsafe_pickle,
-            mmap=True,
-            what="model state",
-        )
-        return state
-    if manifest.format == "dcp":
-        full: dict[str, torch.Tensor] = read_dcp_full(source)["model"]
-        return full
-    return ds_files.consolidate(
-        source / DS_FOLDER / DS_TAG, allow_unsafe_pickle=allow_unsafe_pickle
-    )
+    return read_source(source, optimizer=False, allow_unsafe_pickle=allow_unsafe_pickle).model
 
 
 def convert_checkpoint(
@@ -150,23 +256,44 @@ def convert_checkpoint(
 ) -> Path:
     """Convert a checkpoint offline, on the CPU, without a process group.
 
-    ``to="plain"`` (the default for a destination ending in ``.pt``/``.pth``/``.bin``/
-    ``.ckpt``) writes the full model state dict as one file that plain
-    ``torch.load(weights_only=True)`` reads: from a checkpoint folder of any format, a
-    DeepSpeed folder (ZeRO 0-3) or another file. ``to="sharded"`` (the default for any
-    other destination) writes a checkpoint folder whose model state is in torch
-    distributed checkpoint form, which `load_checkpoint` reshards into FSDP at any world
-    size. Only the weights move: optimizer state stays in the source.
+    Reads any checkpoint (a comm folder of format full, dcp or deepspeed; DeepSpeed's own
+    folder, ZeRO 0-3 in fp32 or bf16, or its universal layout; a plain ``.pt``/``.pth``)
+    and writes, by ``to``:
+
+    - ``"plain"`` (the default for a destination ending in ``.pt``/``.pth``/``.bin``/
+      ``.ckpt``): the full model state dict as one file that
+      ``torch.load(weights_only=True)`` reads. Weights only.
+    - ``"full"``: a checkpoint folder of format ``full`` (``model.pt``, ``optim.pt`` with
+      the optimizer state keyed by parameter names, the source's schedulers, scaler, user
+      state and RNG states) that `load_checkpoint` loads into any strategy.
+    - ``"sharded"`` (the default for any other destination): a checkpoint folder in torch
+      distributed checkpoint form, optimizer state included, which `load_checkpoint`
+      reshards into FSDP, DDP or a plain module at any world size.
+    - ``"deepspeed"``: DeepSpeed's universal checkpoint layout (weights, fp32 masters, Adam
+      moments and steps per parameter) that plain DeepSpeed loads into an engine of any
+      ZeRO stage (1-3) and world size with ``{"checkpoint": {"load_universal": true}}``,
+      and a ZeRO-0 engine with ``engine.load_checkpoint(path, tag="universal")``.
+
+    DeepSpeed's masters come out as fp32 (a bf16 engine's fp32 masters, not its bf16
+    copy). Every file written loads with ``weights_only=True``; the destination is
+    written under a temporary name and renamed when complete.
 
     Args:
         source: A checkpoint folder, a DeepSpeed checkpoint folder or a ``.pth`` file.
         destination: The file or folder to write (replaced atomically if it exists).
-        to: ``"plain"`` or ``"sharded"``; None chooses from the destination's suffix.
-        allow_unsafe_pickle: Allow sources that need full unpickling (DeepSpeed's files).
+        to: ``"plain"``, ``"full"``, ``"sharded"`` or ``"deepspeed"``; None chooses
+            ``"plain"`` or ``"sharded"`` from the destination's suffix.
+        allow_unsafe_pickle: Allow source files that need full unpickling (old pickles,
+            DeepSpeed files holding objects beyond its plain records); only trusted files.
         progress: Show a progress bar on stderr while writing.
 
     Returns:
         The destination.
+
+    Raises:
+        ValueError: ``to`` is not one of the targets.
+        CheckpointError: The source is missing, is no checkpoint, or is damaged; the
+            destination is a folder that is not a checkpoint.
 
     Examples:
         >>> import tempfile, torch
@@ -176,62 +303,166 @@ def convert_checkpoint(
         >>> out = convert_checkpoint(path, folder + "/weights.pt")
         >>> sorted(torch.load(out, weights_only=True))
         ['bias', 'weight']
+        >>> ds = convert_checkpoint(path, folder + "/ds", to="deepspeed")
+        >>> (ds / "latest_universal").read_text()
+        'universal'
     """
     src, dst = Path(source), Path(destination).absolute()
     if to is None:
         to = "plain" if dst.suffix in PLAIN_SUFFIXES else "sharded"
-    if to not in ("plain", "sharded"):
-        message = f"to must be 'plain' or 'sharded', got {to!r}"
+    if to not in TARGETS:
+        message = f"to must be one of {', '.join(map(repr, TARGETS))}; got {to!r}"
         raise ValueError(message)
-    if not src.exists():
-        message = f"checkpoint {src} does not exist"
-        raise CheckpointError(message)
-    state = full_model_state_of(src, allow_unsafe_pickle=allow_unsafe_pickle)
+    read = read_source(src, optimizer=to != "plain", allow_unsafe_pickle=allow_unsafe_pickle)
     dst.parent.mkdir(parents=True, exist_ok=True)
     if to == "plain":
-        save_with_progress(
-            {k: v.contiguous() for k, v in state.items()}, dst, progress=progress, label="writing"
-        )
+        state = {k: v.contiguous() for k, v in read.model.items()}
+        save_with_progress(state, dst, progress=progress, label="writing")
         return dst
-    return _write_sharded(state, src, dst, progress=progress)
+    if to == "deepspeed":
+        return _write_deepspeed(read, dst, progress=progress)
+    return _write_folder(read, dst, sharded=to == "sharded", progress=progress)
 
 
-def _write_sharded(state: dict[str, torch.Tensor], src: Path, dst: Path, *, progress: bool) -> Path:
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    strategy = "convert"
-    if (src / MANIFEST_NAME).is_file():
-        strategy = read_manifest(src).strategy
+def _begin(dst: Path, *, deepspeed: bool = False) -> Path:
+    """A private temporary folder next to ``dst`` after checking ``dst`` may be replaced
+    (a comm checkpoint, a universal folder this wrote, an empty folder, or nothing)."""
     temporary = _publish.temporary_name(dst)
-    temporary.mkdir(mode=0o700)
+    if deepspeed and (dst / ds_offline.UNIVERSAL_LATEST).is_file():
+        temporary.mkdir(mode=0o700)
+        return temporary
+    status = _publish.begin(dst, temporary)
+    if status != "ok":
+        raise CheckpointError(f"cannot convert into {dst}: {status}")
+    return temporary
+
+
+def _write_folder(read: Source, dst: Path, *, sharded: bool, progress: bool) -> Path:
+    """A comm checkpoint folder: format ``full`` (model.pt/optim.pt) or ``dcp``."""
+    temporary = _begin(dst)
     try:
-        bar = Progress("writing", _nbytes(state), enabled=progress)
-        with quiet_torch():
-            dcp_save({"model": state}, checkpoint_id=str(temporary / DCP_FOLDER), no_dist=True)
-        bar.advance(_nbytes(state))
-        bar.close()
+        if sharded:
+            _write_dcp(read, temporary, progress)
+        else:
+            model = {k: v.contiguous() for k, v in read.model.items()}
+            save_with_progress(model, temporary / MODEL_FILE, progress=progress, label=MODEL_FILE)
+            if read.optim:
+                save_with_progress(
+                    read.optim, temporary / OPTIM_FILE, progress=progress, label=OPTIM_FILE
+                )
+        side = _copy_side_files(read, temporary)
+        optimizer_keys = sorted(read.optim)
         manifest = Manifest(
             format_version=FORMAT_VERSION,
-            strategy=strategy,
+            strategy=read.strategy,
             wrapper="module",
-            world_size=1,
-            format="dcp",
+            world_size=read.world_size,
+            format="dcp" if sharded else "full",
             zero_stage=None,
             sharding=None,
-            params=describe_params(state),
-            has_optimizer=False,
-            optimizer_keys=[],
-            num_schedulers=0,
-            has_scaler=False,
-            rng_ranks=[],
-            extra_keys=[],
+            params=describe_params(read.model),
+            has_optimizer=bool(read.optim),
+            optimizer_keys=[] if optimizer_keys in ([], [DEFAULT_KEY]) else optimizer_keys,
             versions=_versions(),
             saved_at=time.time(),
             files=_publish.list_files(temporary),
+            **side,
         )
         write_json(manifest.to_json(), temporary / MANIFEST_NAME)
         _publish.finish(temporary, dst)
     except BaseException:
         _publish.abandon(temporary)
         raise
+    return dst
+
+
+def _write_dcp(read: Source, folder: Path, progress: bool) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    state: dict[str, Any] = {"model": read.model}
+    if read.optim:
+        state["optim"] = read.optim
+    bar = Progress("writing", _nbytes(state), enabled=progress)
+    try:
+        with quiet_torch():
+            dcp_save(state, checkpoint_id=str(folder / DCP_FOLDER), no_dist=True)
+        bar.advance(_nbytes(state))
+    finally:
+        bar.close()
+
+
+def _copy_side_files(read: Source, folder: Path) -> dict[str, Any]:
+    """Copy the source's schedulers, scaler, user state and RNG states; the manifest's
+    fields that describe them."""
+    manifest, source = read.manifest, read.folder
+    if manifest is None or source is None:
+        return {
+            "num_schedulers": 0,
+            "has_scaler": False,
+            "rng_ranks": [],
+            "extra_keys": [],
+        }
+    for name in _SIDE_FILES:
+        if (source / name).is_file():
+            _copy_private(source / name, folder / name)
+    rng_ranks = []
+    for rank in manifest.rng_ranks:
+        file = source / RNG_FOLDER / f"rank_{rank}.pt"
+        if file.is_file():
+            (folder / RNG_FOLDER).mkdir(mode=0o700, exist_ok=True)
+            _copy_private(file, folder / RNG_FOLDER / file.name)
+            rng_ranks.append(rank)
+    return {
+        "num_schedulers": manifest.num_schedulers if (folder / SCHEDULERS_FILE).is_file() else 0,
+        "has_scaler": manifest.has_scaler and (folder / SCALER_FILE).is_file(),
+        "rng_ranks": rng_ranks,
+        "extra_keys": list(manifest.extra_keys) if (folder / EXTRA_FILE).is_file() else [],
+    }
+
+
+def _copy_private(source: Path, target: Path) -> None:
+    """Copy a file's bytes into a private (0600) file."""
+    descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as out, source.open("rb") as into:
+        while chunk := into.read(1 << 20):
+            out.write(chunk)
+
+
+def _write_deepspeed(read: Source, dst: Path, *, progress: bool) -> Path:
+    """DeepSpeed's universal layout under ``dst`` (a DeepSpeed ``save_dir``)."""
+    if len(read.optim) > 1:
+        message = (
+            f"the source holds {len(read.optim)} optimizers ({sorted(read.optim)}); a DeepSpeed "
+            "engine has one: convert to 'full' or 'sharded' instead"
+        )
+        raise CheckpointError(message)
+    optim = next(iter(read.optim.values()), None)
+    ds = read.deepspeed
+    files = list(
+        ds_offline.universal_files(
+            read.model,
+            optim,
+            world_size=read.world_size,
+            global_steps=ds.global_steps if ds is not None else None,
+            lr_scheduler=ds.lr_scheduler if ds is not None else None,
+        )
+    )
+    temporary = _begin(dst, deepspeed=True)
+    bar = Progress("writing", sum(_nbytes(obj) for _, obj in files), enabled=progress)
+    try:
+        for relative, obj in files:
+            path = temporary / relative
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if isinstance(obj, str):
+                path.write_text(obj)
+                path.chmod(0o600)
+            else:
+                save_tensor_file(obj, path)
+            bar.advance(_nbytes(obj))
+        _publish.finish(temporary, dst)
+    except BaseException:
+        _publish.abandon(temporary)
+        raise
+    finally:
+        bar.close()
     return dst
