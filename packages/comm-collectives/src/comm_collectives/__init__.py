@@ -23,6 +23,7 @@ from .objects import (
     gather_object,
     scatter_object_list,
 )
+from .p2p import irecv, isend, recv, recv_object_list, send, send_object_list
 from .results import collect_results, collect_results_cpu, collect_results_gpu
 from .rooted import reduce, scatter
 from .tensors import all_gather, all_reduce, broadcast, gather, sync_random_seed
@@ -48,10 +49,16 @@ __all__ = [
     "empty_cache",
     "gather",
     "gather_object",
+    "irecv",
+    "isend",
+    "recv",
+    "recv_object_list",
     "reduce",
     "rendezvous",
     "scatter",
     "scatter_object_list",
+    "send",
+    "send_object_list",
     "sync_random_seed",
     "unchecked",
 ]

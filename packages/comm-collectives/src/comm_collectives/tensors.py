@@ -261,7 +261,10 @@ def _checked(
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor: gloo moves bytes of any dtype."""
-    return tensor.reshape(-1).view(torch.uint8)
+    flat = tensor.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:  # one element of a strided view
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def _plain(data: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,16 @@ moves in the background. [`Work.wait`][comm_collectives.Work.wait] waits for it,
 result in place (the copy back into the caller's tensor, the split of an uneven gather)
 and turns a lost peer or an expired ``timeout`` into the library's errors.
 
-A receive posted with ``irecv`` needs this process to read the sender's header before the
-data can be received; every ``wait`` (of any handle) moves such pending receives on, so a
-ring of ``isend`` / ``irecv`` completes whatever order its handles are waited in.
+A point-to-point handle (``isend`` / ``irecv``) runs its call in a helper thread: a receive
+must read the sender's header before it can post the receive of the data, and the thread
+does that while the caller goes on, so a ring of ``isend`` / ``irecv`` completes whatever
+order its handles are waited in. ``wait(timeout)`` then only joins the thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -28,12 +30,7 @@ from ._faults import peer_transport, silent_ranks, transport
 
 __all__ = ["Work", "completed_work"]
 
-# Receives posted by irecv whose header has not been read yet: each is a function that
-# moves its receive on when it can without blocking (see comm_collectives.p2p).
-_pending: list[Callable[[], bool]] = []
-
 _POLL_S = 0.0002
-_POLL_MAX_S = 0.005
 
 
 def _as_seconds(timeout: float | timedelta | None) -> float | None:
@@ -51,13 +48,6 @@ def _as_seconds(timeout: float | timedelta | None) -> float | None:
         )
         raise ValueError(message)
     return float(seconds)
-
-
-def progress_pending() -> None:
-    """Move on every pending receive whose header has arrived (never blocks)."""
-    for step in list(_pending):
-        if step() and step in _pending:
-            _pending.remove(step)
 
 
 class Work:
@@ -85,46 +75,57 @@ class Work:
         finish: Callable[[], None] | None = None,
         *,
         peers: Sequence[int] | None = None,
-        source: int = -1,
-        step: Callable[[], bool] | None = None,
+        body: Callable[[Work], None] | None = None,
     ) -> None:
         self._operation = operation
         self._group = group
         self._works = list(works)
         self._finish = finish
         self._peers = None if peers is None else list(peers)
-        self._source = source
-        self._step = step  # a receive that still has to read its header (irecv)
-        self._done = not self._works and finish is None and step is None
+        self._source = -1
         self._error: BaseException | None = None
+        self._done = not self._works and finish is None and body is None
+        self._thread: threading.Thread | None = None
+        if body is not None:
+            self._thread = threading.Thread(
+                target=self._run, args=(body,), name=f"comm-{operation}", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, body: Callable[[Work], None]) -> None:
+        try:
+            body(self)
+        except BaseException as exc:  # handed to the caller of wait()
+            self._error = exc
 
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"
         return f"<comm_collectives.Work {self._operation} {state}>"
 
     def source_rank(self) -> int:
-        """The rank (in the group) that sent the data of a receive; -1 for other calls."""
-        if self._step is not None:
-            self.wait()
+        """The rank (in the group) that sent the data of a receive; -1 for other calls.
+
+        Waits for the receive first.
+        """
+        self.wait()
         return self._source
 
     def is_completed(self) -> bool:
         """Return True once the call has finished and its result is in place (never blocks).
 
         Raises:
-            RemoteRankError: The call failed (a lost peer, a mismatch a receive found).
+            RemoteRankError: The call failed (a lost peer, a sender's failure).
+            CollectiveMismatchError: A receive found that the sender sent something else.
         """
         if self._done:
             return True
-        if self._error is not None:
-            raise self._error
-        if _pending:
-            progress_pending()
-        if self._step is not None and self._step in _pending:
-            return False
-        with self._guard():
-            if not all(w.is_completed() for w in self._works):
+        if self._thread is not None:
+            if self._thread.is_alive():
                 return False
+        else:
+            with self._guard():
+                if not all(w.is_completed() for w in self._works):
+                    return False
         self.wait()
         return True
 
@@ -139,30 +140,41 @@ class Work:
             True, like torch's ``Work.wait``.
 
         Raises:
-            CommTimeoutError: ``timeout`` passed first; the message names the ranks that
-                did not report alive within a few seconds (dead, or busy elsewhere). The
-                handle stays pending: a later ``wait`` may still complete it.
-            RemoteRankError: A peer died in the transfer (named), or a receive found that
-                the sender sent something else than it posted for (raised on the receiver).
-            ValueError: ``timeout`` is not a positive, finite number of seconds.
+            CommTimeoutError: ``timeout`` passed first; the message names the ranks not heard
+                from (the peer of a point-to-point call; else the ranks that did not report
+                alive within a few seconds: dead, or busy elsewhere). The handle stays
+                pending: a later ``wait`` may still complete it.
+            RemoteRankError: A peer died in the transfer (named), or the sender of a
+                receive failed (its error).
+            CollectiveMismatchError: A receive found that the sender sent another shape,
+                dtype, device kind or object count (raised on the receiver).
+            ValueError: ``timeout`` is not a positive, finite number of seconds; or, with
+                ``async_op=True`` on the long path, an integer mean that is not an integer.
         """
         seconds = _as_seconds(timeout)
         if self._done:
             return True
-        if self._error is not None:
-            raise self._error
         deadline = None if seconds is None else time.monotonic() + seconds
         started = time.monotonic()
         try:
-            self._wait_until(deadline)
+            if self._thread is not None:
+                self._thread.join(seconds)
+                if self._thread.is_alive():
+                    raise _Expired("no answer")
+            else:
+                for work in self._works:
+                    self._wait_one(work, deadline)
         except _Expired as expired:
             raise self._timeout_error(time.monotonic() - started, seconds, expired.text) from None
-        except CommError as exc:
-            self._error = exc
-            raise
+        if self._error is not None:
+            raise self._error
         if self._finish is not None:
             finish, self._finish = self._finish, None
-            finish()
+            try:
+                finish()
+            except BaseException as exc:
+                self._error = exc
+                raise
         self._done = True
         self._works = []
         return True
@@ -174,47 +186,28 @@ class Work:
             return peer_transport(self._operation, self._group, self._peers)
         return transport(self._operation, self._group)
 
-    def _wait_until(self, deadline: float | None) -> None:
-        if self._step is not None or _pending:
-            self._poll(deadline)  # receives to move on meanwhile: poll, never block
-            return
-        for work in self._works:
-            self._wait_one(work, deadline)
-
     def _wait_one(self, work: torch_dist.Work, deadline: float | None) -> None:
-        with self._guard():
-            if deadline is None:
-                work.wait()
-                return
-            remaining = max(0.001, deadline - time.monotonic())
-            try:
-                work.wait(timeout=timedelta(seconds=remaining))
-            except RuntimeError as exc:
-                if "timed out" in str(exc).lower() and time.monotonic() >= deadline - 0.01:
-                    raise _Expired(str(exc).strip().splitlines()[0]) from None
-                raise
-
-    def _poll(self, deadline: float | None) -> None:
-        pause = _POLL_S
-        while True:
-            progress_pending()
-            if self._step is None or self._step not in _pending:
-                self._step = None
-                with self._guard():
-                    if all(w.is_completed() for w in self._works):
-                        for work in self._works:
-                            work.wait()  # raises what the transfer raised
-                        return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise _Expired("Operation timed out!")
-            time.sleep(pause)
-            pause = min(_POLL_MAX_S, pause * 2)
+        try:
+            with self._guard():
+                if deadline is None:
+                    work.wait()
+                    return
+                remaining = max(0.001, deadline - time.monotonic())
+                try:
+                    work.wait(timeout=timedelta(seconds=remaining))
+                except RuntimeError as exc:
+                    if "timed out" in str(exc).lower() and time.monotonic() >= deadline - 0.01:
+                        raise _Expired(str(exc).strip().splitlines()[0]) from None
+                    raise
+        except CommError as exc:
+            self._error = exc
+            raise
 
     def _timeout_error(self, waited: float, timeout: float | None, text: str) -> CommTimeoutError:
         me, world = get_rank(self._group), get_world_size(self._group)
         if self._peers is not None:
-            silent: list[int] | None = self._peers
-            who = f"Rank(s) {', '.join(map(str, self._peers))} (the peer) not heard from."
+            named = ", ".join(map(str, self._peers)) if self._peers else "any"
+            who = f"Rank(s) {named} (the peer) not heard from: no matching call yet, or dead."
         else:
             silent = silent_ranks(self._group)
             who = (

@@ -1,0 +1,471 @@
+"""Point-to-point calls under the never-hang contract: send / recv, isend / irecv, and the
+object versions send_object_list / recv_object_list.
+
+Every message is preceded by a header (the handshake's frame header, ``_frame.Header``)
+that says what follows: the operation, the dtype, the shape, the device kind and the byte
+count, or that the sender failed. The receiver reads it first and then always receives
+exactly the bytes announced, so a mismatch between what was sent and what was posted to
+receive raises a [`CollectiveMismatchError`][comm_core.CollectiveMismatchError] on the
+receiver after the bytes were drained (nothing is left in the channel for the next call to
+misread), and a sender's failure reaches the receiver as a
+[`RemoteRankError`][comm_core.RemoteRankError]. Headers (and objects) travel on the
+group's CPU route (the CPU twin under nccl); tensor data on the group itself.
+
+The sender does not wait for the receiver's verdict (that would cost a round trip per
+message and deadlock rings of sends), so it learns of a mismatch only at the receiver's
+next call. Ranks are ranks of ``group``, as everywhere in comm (the global ranks for the
+default group).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+from comm_core import (
+    CollectiveMismatchError,
+    RankFailure,
+    RemoteRankError,
+    get_comm_device,
+    get_rank,
+    get_world_size,
+)
+
+from ._agree import failure_of
+from ._buffers import empty_bytes
+from ._faults import peer_transport
+from ._frame import VERSION, WIDTH, Header, decode, signature_of
+from ._modes import local_fault
+from ._route import header_route
+from ._serialization import decode as decode_frame
+from ._serialization import encode
+from .tensors import _as_bytes, _check_tensor, _plain, _staged, global_rank
+from .work import Work
+
+__all__ = ["irecv", "isend", "recv", "recv_object_list", "send", "send_object_list"]
+
+# Sends whose caller raised (a local failure announced to the receiver): kept alive until
+# they complete, so the receiver still gets the announcement.
+_orphans: list[torch_dist.Work] = []
+
+
+def _device_code(device: torch.device) -> int:
+    """The device kind of a tensor as a header word (the same on every rank)."""
+    return signature_of(["device", device.type])
+
+
+def _tags(tag: int) -> tuple[int, int]:
+    """The backend tags of a call's header and its data: distinct, so a receive from any
+    source never takes another message's data for a header."""
+    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        message = f"tag must be a non-negative int, got {tag!r}."
+        raise ValueError(message)
+    return 2 * tag, 2 * tag + 1
+
+
+def _check_peer(
+    operation: str, peer: object, group: torch_dist.ProcessGroup | None, what: str
+) -> int:
+    world, me = get_world_size(group), get_rank(group)
+    if isinstance(peer, bool) or not isinstance(peer, int):
+        message = f"{operation}: {what} must be an int rank of the group, got {peer!r}."
+        raise TypeError(message)
+    if not 0 <= peer < world:
+        message = f"{operation}: {what}={peer} is not a rank of the group (0..{world - 1})."
+        raise ValueError(message)
+    if peer == me:
+        message = f"{operation}: {what}={peer} is this rank itself; send to another rank."
+        raise ValueError(message)
+    return peer
+
+
+def _prune_orphans() -> None:
+    _orphans[:] = [w for w in _orphans if not w.is_completed()]
+
+
+def _header_tensor(header: Header) -> torch.Tensor:
+    return torch.tensor(header.encode(), dtype=torch.int64)
+
+
+def _post(
+    operation: str,
+    header: Header,
+    data: torch.Tensor,
+    data_group: torch_dist.ProcessGroup | None,
+    dst: int,
+    group: torch_dist.ProcessGroup | None,
+    tag: int,
+) -> list[torch_dist.Work]:
+    """Start sending ``header`` and then ``data`` (bytes) to ``dst``; return the handles."""
+    route, _ = header_route(group)
+    head_tag, data_tag = _tags(tag)
+    peer = global_rank(group, dst)
+    with peer_transport(operation, group, [dst]):
+        works = [torch_dist.isend(_header_tensor(header), peer, group=route, tag=head_tag)]
+        if data.numel():
+            works.append(torch_dist.isend(data, peer, group=data_group, tag=data_tag))
+    return [w for w in works if w is not None]
+
+
+def _announce_failure(
+    operation: str,
+    error: BaseException,
+    dst: int,
+    group: torch_dist.ProcessGroup | None,
+    tag: int,
+) -> RemoteRankError:
+    """Send this rank's failure to ``dst`` (so it raises too) and return the error to raise."""
+    failure = failure_of(error, group)
+    blob = np.frombuffer(pickle.dumps(failure), dtype=np.uint8).copy()
+    header = Header(operation, error=error, count=blob.size)
+    route, _ = header_route(group)
+    try:
+        _orphans.extend(_post(operation, header, torch.from_numpy(blob), route, dst, group, tag))
+    except Exception:  # the peer is gone as well: the local error is what matters
+        pass
+    _prune_orphans()
+    return RemoteRankError(operation, [failure])
+
+
+def isend(
+    tensor: torch.Tensor, dst: int, group: torch_dist.ProcessGroup | None = None, tag: int = 0
+) -> Work:
+    """Start sending ``tensor`` to rank ``dst``; return a [`Work`][comm_collectives.Work].
+
+    The tensor must not be modified until the handle's ``wait()`` returned.
+
+    Args:
+        tensor: The data; the receiver must post a tensor of the same shape, dtype and
+            device kind.
+        dst: Receiving rank (in ``group``).
+        group: Process group; the default group when None.
+        tag: Matches this send with the receive of the same tag.
+
+    Raises:
+        RemoteRankError: This rank's tensor could not be sent (not a tensor, staging
+            failed); the receiver raises the same error.
+        ValueError: ``dst`` is not another rank of the group (raised here only).
+    """
+    _prune_orphans()
+    _tags(tag)
+    _check_peer("send", dst, group, "dst")
+    try:
+        _check_tensor("send", tensor)
+        local_fault("local", "send")
+        work = _staged(_plain(tensor), get_comm_device(group))
+    except Exception as exc:
+        raise _announce_failure("send", exc, dst, group, tag) from exc
+    header = Header(
+        "send",
+        dtype=tensor.dtype,
+        root=get_rank(group),
+        shape=tuple(tensor.shape),
+        count=work.numel() * work.element_size(),
+        signature=_device_code(tensor.device),
+    )
+    works = _post("send", header, _as_bytes(work), group, dst, group, tag)
+    return Work("send", group, peers=[dst], body=lambda _: _wait_all("send", works, group, dst))
+
+
+def _wait_all(
+    operation: str, works: list[torch_dist.Work], group: torch_dist.ProcessGroup | None, dst: int
+) -> None:
+    with peer_transport(operation, group, [dst]):
+        for work in works:
+            work.wait()
+
+
+def send(
+    tensor: torch.Tensor, dst: int, group: torch_dist.ProcessGroup | None = None, tag: int = 0
+) -> None:
+    """Send ``tensor`` to rank ``dst``; returns once it was received.
+
+    Args:
+        tensor: The data; the receiver must post a tensor of the same shape, dtype and
+            device kind.
+        dst: Receiving rank (in ``group``).
+        group: Process group; the default group when None.
+        tag: Matches this send with the receive of the same tag.
+
+    Raises:
+        RemoteRankError: This rank's tensor could not be sent (the receiver raises the
+            same error), or the receiver died (named).
+        CommTimeoutError: The receiver did not receive within the group's timeout.
+        ValueError: ``dst`` is not another rank of the group (raised here only).
+    """
+    isend(tensor, dst, group, tag).wait()  # the helper thread only waits: cheap
+
+
+def irecv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: torch_dist.ProcessGroup | None = None,
+    tag: int = 0,
+) -> Work:
+    """Start receiving into ``tensor``; return a [`Work`][comm_collectives.Work].
+
+    After ``wait()``, ``tensor`` holds the data and ``source_rank()`` names the sender.
+
+    Args:
+        tensor: Where the data lands; its shape, dtype and device kind must be those of the
+            tensor sent.
+        src: Sending rank (in ``group``); None receives from any rank.
+        group: Process group; the default group when None.
+        tag: Matches this receive with the send of the same tag.
+
+    Raises:
+        ValueError: ``src`` is not another rank of the group (raised here).
+        CollectiveMismatchError: At ``wait()``: the sender sent another shape, dtype,
+            device kind or call (the bytes are drained first; ``tensor`` is unchanged).
+        RemoteRankError: At ``wait()``: the sender failed (its error), or died (named).
+    """
+    _prune_orphans()
+    if src is not None:
+        _check_peer("recv", src, group, "src")
+    _tags(tag)
+
+    def body(work: Work) -> None:
+        work._source = _receive("recv", tensor, None, src, group, tag, work)
+
+    return Work("recv", group, peers=[] if src is None else [src], body=body)
+
+
+def recv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: torch_dist.ProcessGroup | None = None,
+    tag: int = 0,
+) -> int:
+    """Receive into ``tensor``; return the sender's rank (in ``group``).
+
+    Args:
+        tensor: Where the data lands; its shape, dtype and device kind must be those of the
+            tensor sent.
+        src: Sending rank (in ``group``); None receives from any rank.
+        group: Process group; the default group when None.
+        tag: Matches this receive with the send of the same tag.
+
+    Returns:
+        The rank that sent the data.
+
+    Raises:
+        CollectiveMismatchError: The sender sent another shape, dtype, device kind or call
+            (the bytes are drained first; ``tensor`` is unchanged).
+        RemoteRankError: The sender failed (its error), or died (named).
+        CommTimeoutError: Nothing arrived within the group's timeout (the peer named).
+        ValueError: ``src`` is not another rank of the group.
+    """
+    return _receive("recv", tensor, None, src, group, tag)
+
+
+def send_object_list(
+    object_list: list[Any], dst: int, group: torch_dist.ProcessGroup | None = None
+) -> None:
+    """Send the picklable objects of ``object_list`` to rank ``dst``.
+
+    Tensors and arrays inside travel as raw buffers, without pickling their bytes.
+
+    Args:
+        object_list: The objects; the receiver posts a list of the same length.
+        dst: Receiving rank (in ``group``).
+        group: Process group; the default group when None.
+
+    Raises:
+        RemoteRankError: The list could not be pickled (the receiver raises the same
+            error), or the receiver died (named).
+        ValueError: ``dst`` is not another rank of the group (raised here only).
+    """
+    _prune_orphans()
+    _check_peer("send_object_list", dst, group, "dst")
+    try:
+        if not isinstance(object_list, list):
+            message = (
+                f"send_object_list: object_list must be a list, got {type(object_list).__name__}."
+            )
+            raise TypeError(message)
+        local_fault("local", "send_object_list")
+        encoded = encode(list(object_list))
+        frame = empty_bytes(encoded.nbytes, torch.device("cpu"))
+        encoded.write_into(frame.numpy())
+    except Exception as exc:
+        raise _announce_failure("send_object_list", exc, dst, group, 0) from exc
+    header = Header(
+        "send_object_list",
+        root=get_rank(group),
+        count=encoded.nbytes,
+        signature=len(object_list),
+    )
+    route, _ = header_route(group)
+    works = _post("send_object_list", header, frame, route, dst, group, 0)
+    _wait_all("send_object_list", works, group, dst)
+
+
+def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: torch_dist.ProcessGroup | None = None,
+) -> int:
+    """Receive the objects a ``send_object_list`` sent into ``object_list``, in place.
+
+    Args:
+        object_list: A list as long as the sender's; its items are replaced.
+        src: Sending rank (in ``group``); None receives from any rank.
+        group: Process group; the default group when None.
+
+    Returns:
+        The rank that sent the objects.
+
+    Raises:
+        CollectiveMismatchError: The sender sent a list of another length, or a tensor.
+        RemoteRankError: The sender failed (its error), or died (named).
+        TypeError: ``object_list`` is not a list (after the message was drained).
+    """
+    return _receive("recv_object_list", None, object_list, src, group, 0)
+
+
+def _receive(
+    operation: str,
+    tensor: torch.Tensor | None,
+    objects: list[Any] | None,
+    src: int | None,
+    group: torch_dist.ProcessGroup | None,
+    tag: int,
+    work: Work | None = None,
+) -> int:
+    """Receive a header, then the bytes it announces; place them or raise; return the
+    sender's rank. Runs in the caller's thread (recv) or a handle's helper thread (irecv)."""
+    _prune_orphans()
+    if src is not None:
+        _check_peer(operation, src, group, "src")
+    head_tag, data_tag = _tags(tag)
+    route, _ = header_route(group)
+    header = torch.empty(WIDTH, dtype=torch.int64)
+    peers = [] if src is None else [src]
+    with peer_transport(operation, group, peers):
+        if src is None:
+            source = torch_dist.recv(header, None, group=route, tag=head_tag)
+            sender = _group_rank(group, source)
+        else:
+            torch_dist.recv(header, global_rank(group, src), group=route, tag=head_tag)
+            sender = src
+    if work is not None:
+        work._peers = [sender]
+    got = decode(sender, header.tolist())
+    expected = "send" if objects is None else "send_object_list"
+    on_route = not got.ok or got.operation != "send"  # where the sender put the bytes
+    device = torch.device("cpu") if on_route else get_comm_device(group)
+    nbytes = max(0, got.count) if got.version == VERSION else 0
+    problem = _mismatch(operation, got, expected, tensor, objects, sender, group)
+    buffer = torch.empty(0, dtype=torch.uint8)
+    staged: torch.Tensor | None = None
+    if nbytes:
+        if problem is None and tensor is not None and got.ok:
+            staged = _staged(tensor, device)
+            buffer = _as_bytes(staged)
+        else:
+            buffer = empty_bytes(nbytes, device)
+        with peer_transport(operation, group, [sender]):
+            torch_dist.recv(
+                buffer, global_rank(group, sender), group=route if on_route else group, tag=data_tag
+            )
+    if not got.ok:
+        failure = pickle.loads(buffer.cpu().numpy().tobytes())
+        if not isinstance(failure, RankFailure):
+            failure = RankFailure(sender, "comm.TransportError", "an unreadable report")
+        raise RemoteRankError(operation, [failure])
+    if problem is not None:
+        raise problem
+    if tensor is not None:
+        if staged is not None and staged is not tensor:
+            with torch.no_grad():
+                tensor.copy_(staged)
+        return sender
+    assert objects is not None
+    objects[:] = decode_frame(buffer.numpy())
+    return sender
+
+
+def _group_rank(group: torch_dist.ProcessGroup | None, global_rank_: int) -> int:
+    if group is None or group is torch_dist.group.WORLD:
+        return int(global_rank_)
+    return int(torch_dist.get_group_rank(group, global_rank_))
+
+
+def _mismatch(
+    operation: str,
+    got: Any,
+    expected: str,
+    tensor: torch.Tensor | None,
+    objects: list[Any] | None,
+    sender: int,
+    group: torch_dist.ProcessGroup | None,
+) -> BaseException | None:
+    """What the receiver raises once the bytes are drained, or None when they fit."""
+    if got.version != VERSION:
+        return CollectiveMismatchError(
+            operation,
+            "the sender runs an incompatible version of the comm-collectives wire protocol.",
+            [{"rank": sender, "protocol version": got.version}],
+            "install the same comm-collectives version on every node.",
+        )
+    if not got.ok:
+        return None  # the sender's failure, raised from its report
+    me = get_rank(group)
+    if objects is None and not isinstance(tensor, torch.Tensor):
+        message = f"{operation}: tensor must be a torch.Tensor, got {type(tensor).__name__}."
+        return TypeError(message)
+    if tensor is None and not isinstance(objects, list):
+        message = f"{operation}: object_list must be a list, got {type(objects).__name__}."
+        return TypeError(message)
+    if got.operation != expected:
+        return CollectiveMismatchError(
+            operation,
+            f"rank {sender} sent with {got.operation}, rank {me} received with {operation}.",
+            [{"rank": sender, "operation": got.operation}, {"rank": me, "operation": operation}],
+            "pair send with recv (or isend / irecv) and send_object_list with "
+            "recv_object_list, with the same tag.",
+        )
+    if tensor is not None:
+        mine = {
+            "rank": me,
+            "operation": operation,
+            "shape": tuple(tensor.shape),
+            "dtype": str(tensor.dtype).replace("torch.", ""),
+            "device": tensor.device.type,
+        }
+        theirs = {
+            "rank": sender,
+            "operation": "send",
+            "shape": got.shape,
+            "dtype": got.dtype,
+            "device": mine["device"]
+            if got.signature == _device_code(tensor.device)
+            else "another kind",
+        }
+        different = [k for k in ("shape", "dtype", "device") if mine[k] != theirs[k]]
+        if different:
+            return CollectiveMismatchError(
+                operation,
+                f"the tensor sent and the tensor posted to receive differ in {', '.join(different)}.",
+                [theirs, mine],
+                "post a tensor of the sender's shape, dtype and device kind "
+                "(torch.empty(shape, dtype=dtype, device=device)).",
+            )
+        return None
+    assert objects is not None
+    if got.signature != len(objects):
+        return CollectiveMismatchError(
+            operation,
+            f"rank {sender} sent {got.signature} objects; rank {me} posted a list of "
+            f"{len(objects)}.",
+            [
+                {"rank": sender, "operation": "send_object_list", "objects": got.signature},
+                {"rank": me, "operation": operation, "objects": len(objects)},
+            ],
+            "post a list as long as the sender's, e.g. [None] * n.",
+        )
+    return None
