@@ -28,6 +28,7 @@ from ._build import (
     rebuild_over,
     trainable_names,
 )
+from .checkpoint import _async as checkpoint_async
 
 __all__ = ["Strategy"]
 
@@ -72,6 +73,8 @@ class Strategy:
         seed: The seed of every random generator; None draws one (the same on every rank).
         diff_rank_seed: Seed each rank with ``seed + rank`` (e.g. for data augmentation).
         deterministic: Use deterministic algorithms (``torch.use_deterministic_algorithms``).
+        keep_last: The default of `save_checkpoint`'s ``keep_last``: after each save, keep
+            only the newest N complete checkpoints beside it; None keeps them all.
 
     Attributes:
         model: The prepared model (None before `prepare`).
@@ -94,10 +97,20 @@ class Strategy:
         seed: int | None = None,
         diff_rank_seed: bool = False,
         deterministic: bool = False,
+        keep_last: int | None = None,
     ) -> None:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             message = f"seed must be an int or None, got {seed!r}"
             raise TypeError(message)
+        if keep_last is not None and (
+            isinstance(keep_last, bool) or not isinstance(keep_last, int)
+        ):
+            message = f"keep_last must be an int or None, got {keep_last!r}"
+            raise TypeError(message)
+        if keep_last is not None and keep_last < 1:
+            message = f"keep_last must be at least 1 (None keeps every checkpoint), got {keep_last}"
+            raise ValueError(message)
+        self.keep_last = keep_last
         self._work_dir = None if work_dir is None else Path(work_dir)
         self.launcher = launcher
         self.backend = backend
@@ -189,8 +202,10 @@ class Strategy:
         A barrier first, so that no rank is still in a collective, then a short pause
         outside the interpreter lock: gloo's worker threads release finished work there,
         and a process group destroyed while one of them waits for the lock deadlocks torch
-        (its destructor joins the thread while holding the lock).
+        (its destructor joins the thread while holding the lock). An async save still
+        running is waited for before (its ranks agree through the group's store).
         """
+        checkpoint_async.wait_previous()
         if self._owns_group:
             dist.barrier()
             time.sleep(0.05)
@@ -333,6 +348,7 @@ class Strategy:
         extra: Mapping[str, Any] | None = None,
         sharded: bool | None = None,
         timeout: float | None = None,
+        keep_last: int | None = None,
     ) -> Path:
         """Save a checkpoint directory (collective: every rank calls it).
 
@@ -344,6 +360,8 @@ class Strategy:
             sharded: None for the strategy's natural format.
             timeout: Seconds a rank waits for the others to enter the call; None:
                 `COMM_CHECKPOINT_TIMEOUT`, or 300.
+            keep_last: Once published, keep only the newest N complete checkpoints in the
+                directory's parent; None: the strategy's ``keep_last`` (None keeps all).
 
         Returns:
             The checkpoint directory.
@@ -359,6 +377,7 @@ class Strategy:
                 extra=None if extra is None else dict(extra),
                 sharded=sharded,
                 timeout=timeout,
+                keep_last=self.keep_last if keep_last is None else keep_last,
             )
         )
 

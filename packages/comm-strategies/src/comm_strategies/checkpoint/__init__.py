@@ -19,6 +19,7 @@ Examples:
     {'step': 5}
 """
 
+from ._async import SaveHandle
 from ._convert import convert_checkpoint
 from ._errors import CheckpointError
 from ._load import find_latest, load_checkpoint
@@ -34,6 +35,7 @@ from ._state import (
 __all__ = [
     "CheckpointError",
     "Manifest",
+    "SaveHandle",
     "convert_checkpoint",
     "find_latest",
     "full_model_state_dict",

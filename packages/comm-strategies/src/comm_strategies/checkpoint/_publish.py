@@ -3,7 +3,9 @@
 ``begin`` (rank 0): clear what killed saves of the name left, check that the path may be
 replaced, create a private temporary folder next to it. Every rank then writes into that
 folder. ``finish`` (rank 0, after every rank wrote): rename it to its name; a checkpoint
-already there is hidden by a rename and deleted in the background.
+already there is hidden by a rename and deleted in the background. ``retain`` (rank 0,
+after ``finish``): the older complete checkpoints next to it beyond ``keep_last`` are
+hidden and deleted the same way.
 """
 
 from __future__ import annotations
@@ -98,6 +100,57 @@ def finish(temporary: Path, final: Path) -> None:
     _fsync_dir(final.parent)
     if old is not None:
         _delete_later(old)
+
+
+def newest_first(parent: Path) -> list[Path]:
+    """The complete checkpoints this package wrote in ``parent``, newest first.
+
+    The order is `find_latest`'s: by the manifest's ``saved_at``, then by name; hidden
+    names (temporary and replaced folders) never count. Only folders whose manifest this
+    package wrote (`_is_checkpoint`) are listed, and no symbolic link (a ``latest`` link to
+    one of them is not a second checkpoint).
+    """
+    found: list[tuple[tuple[float, str], Path]] = []
+    for candidate in parent.iterdir():
+        if candidate.name.startswith(".") or candidate.is_symlink() or not candidate.is_dir():
+            continue
+        try:
+            manifest = read_manifest(candidate)
+        except CheckpointError:  # none, damaged, or another program's
+            continue
+        if "comm-strategies" in manifest.versions:
+            found.append(((manifest.saved_at, candidate.name), candidate))
+    return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+
+
+def retain(final: Path, keep_last: int) -> list[Path]:
+    """Remove the older checkpoints next to ``final``, keeping the newest ``keep_last``.
+
+    Called by rank 0 after ``final`` was published, so a checkpoint is never removed before
+    its successor is whole. ``final`` is always kept; of the other complete checkpoints
+    (`newest_first`) the newest ``keep_last - 1`` are kept. Nothing else is touched: a
+    folder without this package's manifest (logs, a half-written save, another program's
+    files) stays. Each removed folder is hidden by a rename (``.NAME.old-XXXX``: no reader
+    takes it for a checkpoint from then on) and deleted in the background. Failures are
+    ignored (a later save tries again).
+
+    Returns:
+        The checkpoints removed (their names before the rename).
+    """
+    try:
+        others = [path for path in newest_first(final.parent) if path.name != final.name]
+    except OSError:
+        return []
+    removed = []
+    for path in others[max(0, keep_last - 1) :]:
+        hidden = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
+        try:
+            os.replace(path, hidden)
+        except OSError:
+            continue
+        _delete_later(hidden)
+        removed.append(path)
+    return removed
 
 
 _deleting: dict[Path, threading.Thread] = {}

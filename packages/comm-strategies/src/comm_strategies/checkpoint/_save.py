@@ -4,8 +4,11 @@ The steps, in a fixed order (the shape of torch.distributed.checkpoint's storage
 rank 0 creates the temporary folder (`_publish.begin`); every rank enters with the same
 path or every rank raises (`Call.enter`); every rank writes its part of the model and
 optimizer in the backend's format (`_formats`), its RNG state, and rank 0 the side files;
-the ranks vote on the outcome; rank 0 writes the manifest and renames the folder into
-place (`_publish.finish`); a last vote makes that outcome every rank's.
+the ranks vote on the outcome; rank 0 writes the manifest, renames the folder into
+place (`_publish.finish`) and, with ``keep_last``, removes the older checkpoints beside it
+(`_publish.retain`); a last vote makes that outcome every rank's. With ``async_save`` the
+state is copied to the CPU instead of written, and a background thread writes it and
+publishes (`_async`, whose docstring says how the ranks agree without a collective).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -26,17 +30,20 @@ from comm_wrappers.backends import Backend, backend_of
 
 from ..__about__ import __version__
 from .._build import scalers_of
-from . import _publish, _rng
-from ._consensus import Call, where
+from . import _async, _publish, _rng
+from ._async import SaveHandle
+from ._consensus import WRITE_TIMEOUT_S, Call, where
 from ._errors import CheckpointError
 from ._files import save_tensor_file, write_json
-from ._formats import FORMATS, Attempts
+from ._formats import FORMATS, Attempts, quiet_torch, sharded_state
 from ._layout import DEFAULT_KEY, EXTRA_FILE, RNG_FOLDER, SCALER_FILE, SCHEDULERS_FILE
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from ._params import describe_params
 from ._state import named_optimizers, refuse_unportable
 
-# A test hook: called with the stage name ("written", "manifest") on every rank, so a
-# test can kill the process in the middle of a save. Not part of the public API.
+# A test hook: called with the stage name ("written", "manifest"; with async_save also
+# "writing", in the background thread as are "written" and "manifest") on every rank, so
+# a test can kill the process in the middle of a save. Not part of the public API.
 _stage_hook: Callable[[str], None] | None = None
 
 
@@ -53,6 +60,54 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+@overload
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optim_wrapper: Any = ...,
+    schedulers: Sequence[Any] = ...,
+    strategy: str,
+    extra: dict[str, Any] | None = ...,
+    sharded: bool | None = ...,
+    timeout: float | None = ...,
+    async_save: Literal[False] = ...,
+    keep_last: int | None = ...,
+) -> Path: ...
+
+
+@overload
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optim_wrapper: Any = ...,
+    schedulers: Sequence[Any] = ...,
+    strategy: str,
+    extra: dict[str, Any] | None = ...,
+    sharded: bool | None = ...,
+    timeout: float | None = ...,
+    async_save: Literal[True],
+    keep_last: int | None = ...,
+) -> SaveHandle: ...
+
+
+@overload
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optim_wrapper: Any = ...,
+    schedulers: Sequence[Any] = ...,
+    strategy: str,
+    extra: dict[str, Any] | None = ...,
+    sharded: bool | None = ...,
+    timeout: float | None = ...,
+    async_save: bool,
+    keep_last: int | None = ...,
+) -> Path | SaveHandle: ...
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -63,14 +118,16 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     sharded: bool | None = None,
     timeout: float | None = None,
-) -> Path:
+    async_save: bool = False,
+    keep_last: int | None = None,
+) -> Path | SaveHandle:
     """Save model, optimizer, schedulers, RNG, scaler and user state into a folder.
 
     Collective: every rank calls it with the same ``path``. The folder is written under a
     temporary name next to ``path``, its manifest last, and renamed once every rank has
     finished: a save killed half-way leaves the previous checkpoint whole, and no folder
     at ``path``. A rank that calls it alone gets `CheckpointError` after ``timeout``
-    instead of waiting forever.
+    instead of waiting forever. A save first waits for an async save still running.
 
     Args:
         path: The checkpoint folder to create (replaced if it exists).
@@ -86,13 +143,25 @@ def save_checkpoint(
             files (under DeepSpeed: the weights only, gathered).
         timeout: Seconds to wait for the other ranks to enter; default
             ``COMM_CHECKPOINT_TIMEOUT`` or 300.
+        async_save: Copy the state to the CPU, return a `SaveHandle` at once, and write
+            and publish in a background thread while training goes on (formats ``full``
+            and ``dcp``; DeepSpeed's own files are written before the call returns, and
+            the handle comes back done).
+        keep_last: Once the new checkpoint is published, remove the older complete
+            checkpoints of this package in the same parent folder beyond the newest
+            ``keep_last`` (the new one included), newest by the manifest's time as in
+            `find_latest`; None keeps them all. Nothing else in the folder is touched.
 
     Returns:
-        The checkpoint folder.
+        The checkpoint folder; with ``async_save=True`` a `SaveHandle` whose ``wait()``
+        returns it.
 
     Raises:
         CheckpointError: On every rank when any rank failed to write its part, or when
-            the ranks passed different paths.
+            the ranks passed different paths (with ``async_save``: from ``wait()`` when
+            the background writes failed).
+        TypeError: ``keep_last`` is not an int.
+        ValueError: ``keep_last`` is less than 1.
 
     Examples:
         >>> import tempfile, torch
@@ -105,6 +174,8 @@ def save_checkpoint(
         >>> load_checkpoint(folder, model=torch.nn.Linear(2, 1))
         {'epoch': 1}
     """
+    _check_keep_last(keep_last)
+    _async.wait_previous()
     backend = backend_of(model)
     fmt = backend.format_for(sharded)
     optimizers = named_optimizers(optim_wrapper)
@@ -114,11 +185,26 @@ def save_checkpoint(
     final = Path(path).absolute()
     temporary = _enter(call, final)
     attempts = Attempts(temporary)
+    record = _Record(
+        strategy=str(strategy),
+        fmt=fmt,
+        optimizer_keys=list(optimizers),
+        num_schedulers=len(schedulers),
+        extra_keys=sorted(str(key) for key in (extra or {})),
+        described=_described(backend),
+    )
+    if async_save and fmt in _async.ASYNC_FORMATS:
+        return _start_async(
+            call, final, temporary, attempts, backend, optimizers, record, keep_last,
+            (optim_wrapper, schedulers, extra),
+        )  # fmt: skip
     # Collective parts first, every rank taking part even after a local failure (a rank
     # that left would leave the others waiting); local writes after, each inside
     # attempts.run: a failure reaches every rank through the vote instead of hanging them.
     params = FORMATS[fmt].write(backend, optimizers, temporary, attempts)
-    scalers = _write_side_files(temporary, attempts, optim_wrapper, schedulers, extra)
+    files, scalers = _side_files(temporary, optim_wrapper, schedulers, extra)
+    for what, produce, target in files:
+        attempts.run(_write_now, produce, target, what=what)
     _hook("written")
     try:
         call.vote("written", attempts.error)
@@ -129,31 +215,137 @@ def save_checkpoint(
     error = None
     if dist.get_rank() == 0:
         try:  # any failure here (not only the filesystem's) must reach the other ranks
-            manifest = Manifest(
-                format_version=FORMAT_VERSION,
-                strategy=str(strategy),
-                world_size=dist.get_world_size(),
-                format=fmt,
-                params=params,
-                has_optimizer=bool(optimizers),
-                optimizer_keys=[] if list(optimizers) in ([], [DEFAULT_KEY]) else list(optimizers),
-                num_schedulers=len(schedulers),
-                has_scaler=bool(scalers),
-                rng_ranks=list(range(dist.get_world_size())),
-                extra_keys=sorted(str(key) for key in (extra or {})),
-                versions=_versions(),
-                saved_at=time.time(),
-                files=_publish.list_files(temporary),
-                **_described(backend),
-            )
-            write_json(manifest.to_json(), temporary / MANIFEST_NAME)
-            _hook("manifest")
-            _publish.finish(temporary, final)
+            _publish_folder(record, params, bool(scalers), temporary, final, keep_last)
         except Exception as caught:
             error = CheckpointError(f"cannot finish {final}: {caught}")
             error.__cause__ = caught
     call.vote("done", error)
-    return final
+    return _async.finished(final) if async_save else final
+
+
+@dataclass(frozen=True)
+class _Record:
+    """What the manifest says that is known when the save starts."""
+
+    strategy: str
+    fmt: str
+    optimizer_keys: list[str]
+    num_schedulers: int
+    extra_keys: list[str]
+    described: dict[str, Any]
+
+
+def _check_keep_last(keep_last: int | None) -> None:
+    if keep_last is None:
+        return
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int):
+        message = (
+            f"save_checkpoint: keep_last must be an int or None, got {keep_last!r} "
+            f"({type(keep_last).__name__})"
+        )
+        raise TypeError(message)
+    if keep_last < 1:
+        message = (
+            f"save_checkpoint: keep_last must be at least 1 (the new checkpoint is always "
+            f"kept), got {keep_last}; pass None to keep every checkpoint"
+        )
+        raise ValueError(message)
+
+
+def _publish_folder(
+    record: _Record,
+    params: dict[str, list[Any]],
+    has_scaler: bool,
+    temporary: Path,
+    final: Path,
+    keep_last: int | None,
+) -> None:
+    """Rank 0, once every rank's files are whole: manifest, rename, retention."""
+    keys = record.optimizer_keys
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        strategy=record.strategy,
+        world_size=dist.get_world_size(),
+        format=record.fmt,
+        params=params,
+        has_optimizer=bool(keys),
+        optimizer_keys=[] if keys in ([], [DEFAULT_KEY]) else keys,
+        num_schedulers=record.num_schedulers,
+        has_scaler=has_scaler,
+        rng_ranks=list(range(dist.get_world_size())),
+        extra_keys=record.extra_keys,
+        versions=_versions(),
+        saved_at=time.time(),
+        files=_publish.list_files(temporary),
+        **record.described,
+    )
+    write_json(manifest.to_json(), temporary / MANIFEST_NAME)
+    _hook("manifest")
+    _publish.finish(temporary, final)
+    if keep_last is not None:
+        _publish.retain(final, keep_last)
+
+
+def _start_async(
+    call: Call,
+    final: Path,
+    temporary: Path,
+    attempts: Attempts,
+    backend: Backend,
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    record: _Record,
+    keep_last: int | None,
+    side: tuple[Any, Sequence[Any], Mapping[str, Any] | None],
+) -> SaveHandle:
+    """Copy the state to the CPU (collective where the format gathers), agree that every
+    rank has its copy, and hand the writes and the publish to a background thread."""
+    staged: dict[str, Any] | None = None
+    params: dict[str, list[Any]] = {}
+    if record.fmt == "dcp":
+        state = sharded_state(backend, optimizers)
+        with quiet_torch():  # the shapes of the state written (global shapes of shards)
+            params = describe_params(state["model"])
+        staged = attempts.run(_async.stage, state, what="a CPU copy of the state")
+        del state
+    else:  # "full": gathered to rank 0 (collective), copied there
+        leader = dist.get_rank() == 0
+        state = backend.model_state(full=True, rank0_only=True)
+        if leader:
+            params = describe_params(state)
+            model = attempts.run(_async.stage, state, what="a CPU copy of the model state")
+            staged = {"model": model}
+        del state
+        if optimizers:
+            states = {
+                key: backend.optim_state(optimizer, full=True, rank0_only=True)
+                for key, optimizer in optimizers.items()
+            }
+            if leader and staged is not None:
+                staged["optim"] = attempts.run(
+                    _async.stage, states, what="a CPU copy of the optimizer state"
+                )
+            del states
+    files, scalers = _side_files(temporary, *side)
+    copies: list[_async.Write] = []
+    for what, produce, target in files:
+        attempts.run(_copy_now, copies, what, produce, target, what=what)
+    try:  # synchronous, on this thread: every rank has its copy, or every rank raises
+        call.vote("staged", attempts.error)
+    except CheckpointError:
+        if dist.get_rank() == 0:
+            _publish.abandon(temporary)
+        raise
+    return _async.start(
+        final,
+        temporary,
+        fmt=record.fmt,
+        staged=staged,
+        files=copies,
+        publish=lambda: _publish_folder(record, params, bool(scalers), temporary, final, keep_last),
+        key=f"comm_checkpoint/{call.number}/async",
+        timeout_s=max(call.timeout, WRITE_TIMEOUT_S),
+        hook=_hook,
+    )
 
 
 def _described(backend: Backend) -> dict[str, Any]:
@@ -194,44 +386,55 @@ def _enter(call: Call, final: Path) -> Path:
     return temporary
 
 
-def _write_side_files(
+def _side_files(
     folder: Path,
-    attempts: Attempts,
     optim_wrapper: Any,
     schedulers: Sequence[Any],
     extra: Mapping[str, Any] | None,
-) -> dict[str, Any]:
-    """This rank's RNG state; on rank 0 the schedulers, scalers and user state. Returns the
-    scalers (found on every rank: finding them reads attributes, saving them may fail)."""
+) -> tuple[list[SideFile], dict[str, Any]]:
+    """The small files of this rank: its RNG state; on rank 0 the schedulers, scalers and
+    user state, each as (what, how to take its state, its file). Also returns the scalers
+    (found on every rank: finding them reads attributes, saving them may fail)."""
     me = dist.get_rank()
-    attempts.run(lambda: save_tensor_file(_rng.capture(), _rng_path(folder, me)), what="RNG state")
+    files: list[SideFile] = [("RNG state", _rng.capture, lambda: _rng_path(folder, me))]
     scalers = scalers_of(optim_wrapper)
     if me != 0:
-        return scalers
+        return files, scalers
     if schedulers:
-        attempts.run(
-            lambda: save_tensor_file(
-                [scheduler.state_dict() for scheduler in schedulers], folder / SCHEDULERS_FILE
-            ),
-            what="the schedulers",
+        files.append(
+            (
+                "the schedulers",
+                lambda: [scheduler.state_dict() for scheduler in schedulers],
+                lambda: folder / SCHEDULERS_FILE,
+            )
         )
     if scalers:
-        attempts.run(
-            lambda: save_tensor_file(
-                {
+        files.append(
+            (
+                "the grad scaler",
+                lambda: {
                     DEFAULT_KEY if key == "" else key: scaler.state_dict()
                     for key, scaler in scalers.items()
                 },
-                folder / SCALER_FILE,
-            ),
-            what="the grad scaler",
+                lambda: folder / SCALER_FILE,
+            )
         )
     if extra:
-        attempts.run(
-            lambda: save_tensor_file(dict(extra), folder / EXTRA_FILE),
-            what="the user state (extra)",
-        )
-    return scalers
+        files.append(("the user state (extra)", lambda: dict(extra), lambda: folder / EXTRA_FILE))
+    return files, scalers
+
+
+SideFile = tuple[str, Callable[[], Any], Callable[[], Path]]
+
+
+def _write_now(produce: Callable[[], Any], target: Callable[[], Path]) -> None:
+    save_tensor_file(produce(), target())
+
+
+def _copy_now(
+    copies: list[_async.Write], what: str, produce: Callable[[], Any], target: Callable[[], Path]
+) -> None:
+    copies.append((what, _async.snapshot(produce()), target()))
 
 
 def _rng_path(folder: Path, rank: int) -> Path:
