@@ -12,11 +12,27 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+import comm_collectives as dist
 from comm_strategies import cli
-from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
+from comm_strategies.checkpoint import (
+    CheckpointError,
+    convert_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
+from comm_wrappers import OptimWrapper, unwrap_model
 from tests.helpers import full_params, max_diff
-from tests.strategies.ckpt_models import build, expected_of, keep_expected, train_steps
+from tests.strategies.ckpt_models import (
+    build,
+    expected_of,
+    keep_expected,
+    torch_optimizer,
+    train_steps,
+)
+from tests.wrappers.net import Net
 
 
 def save_for_cli(root: str) -> None:
@@ -31,6 +47,13 @@ def save_for_cli(root: str) -> None:
         extra={"step": 2},
     )
     keep_expected(root, "fsdp2", full_params(model))
+    # The optimizer state a conversion must carry, from torch's own API (names as keys).
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optim_state = get_optimizer_state_dict(
+        unwrap_model(model), torch_optimizer(optim), options=options
+    )
+    if dist.get_rank() == 0:
+        torch.save(optim_state, f"{root}/expected_fsdp2_optim.pt")
     model, optim = build("zero0")
     train_steps(model, optim, range(2))
     model.model.save_checkpoint(f"{root}/ds_0", tag="global_step2")
@@ -107,6 +130,81 @@ def test_convert_plain_to_sharded_loads_into_fsdp(
     for diff in comm_pools.get(2).run(load_converted, str(folder), timeout=120):
         assert diff == 0.0
     shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("to", ["full", "sharded"])
+def test_convert_moves_the_optimizer_into_a_plain_module_with_adamw(
+    saved: Path, tmp_path: Path, to: str
+) -> None:
+    """FSDP2 at world 2 (DCP) -> a full or sharded folder -> a plain module, one process."""
+    folder = tmp_path / to
+    assert cli.main(["convert", str(saved / "fsdp2"), str(folder), "--to", to, "--quiet"]) == 0
+    manifest = read_manifest(folder)
+    assert manifest.format == ("dcp" if to == "sharded" else "full")
+    assert manifest.has_optimizer
+    assert manifest.rng_ranks == [0, 1]  # the side files came along
+    assert manifest.extra_keys == ["step"]
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    extra = load_checkpoint(folder, model=model, optim_wrapper=OptimWrapper(optimizer))
+    assert extra == {"step": 2}
+    params = dict(model.named_parameters())
+    assert (
+        max_diff({k: v.detach() for k, v in params.items()}, expected_of(str(saved), "fsdp2"))
+        == 0.0
+    )
+    expected: dict[str, Any] = torch.load(saved / "expected_fsdp2_optim.pt", weights_only=True)
+    for name, param in params.items():
+        for key, value in expected["state"][name].items():
+            assert torch.equal(optimizer.state[param][key], value), (name, key)
+    assert optimizer.param_groups[0]["lr"] == expected["param_groups"][0]["lr"] == 0.01
+
+
+def test_convert_in_a_subprocess_shows_a_progress_bar(saved: Path, tmp_path: Path) -> None:
+    out = tmp_path / "full"
+    arguments = ["convert", str(saved / "fsdp2"), str(out), "--to", "full", "--progress"]
+    result = subprocess.run(
+        [sys.executable, "-m", "comm_strategies.cli", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "model.pt [" in result.stderr  # one bar per file written
+    assert "optim.pt [" in result.stderr
+    assert "100%" in result.stderr
+    assert f"wrote {out}" in result.stdout
+    assert read_manifest(out).format == "full"
+
+
+def test_bad_conversions_are_clear_errors(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["convert", str(saved / "fsdp2"), str(tmp_path / "x"), "--to", "zero"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'zero'" in err, err
+    assert "deepspeed" in err  # the choices are listed
+    with pytest.raises(
+        ValueError, match="to must be one of 'plain', 'full', 'sharded', 'deepspeed'"
+    ):
+        convert_checkpoint(saved / "fsdp2", tmp_path / "x", to="zero")
+    folder = tmp_path / "not_a_checkpoint"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hello")
+    assert cli.main(["convert", str(folder), str(tmp_path / "out"), "--to", "full"]) == 2
+    err = capsys.readouterr().err
+    assert f"{folder} is not a checkpoint" in err, err
+    assert not (tmp_path / "out").exists()
+    # A destination folder that is not a checkpoint is kept, not replaced.
+    assert cli.main(["convert", str(saved / "fsdp2"), str(folder), "--to", "full"]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err
+    assert (folder / "notes.txt").read_text() == "hello"
+    with pytest.raises(CheckpointError, match="does not exist"):
+        convert_checkpoint(tmp_path / "missing", tmp_path / "y", to="deepspeed")
 
 
 def test_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -139,43 +139,52 @@ def test_bf16_masters_come_out_fp32_exact_not_the_bf16_copy(saved: Path, kind: s
 # --------------------------------------------- to DeepSpeed's universal layout and back
 
 
-def load_universal(folder: str, kind: str, expected: str) -> dict[str, float]:
-    """Load a universal folder into a fresh engine of ``kind`` with plain DeepSpeed."""
-    engine = engine_of(kind, seed=7, universal=True)
-    zero0 = engine.zero_optimization_stage() == 0
-    # ZeRO-0 has no universal loader: it reads the module and optimizer of the same files.
-    path, _ = engine.load_checkpoint(folder, tag="universal" if zero0 else None)
-    assert path is not None
-    truth = truth_of(Path(expected).parent, Path(expected).name)
-    got = engine_truth(engine)
-    diffs = {key: max_diff(got[key], truth[key]) for key in ("params", *MOMENTS)}
-    groups = engine.optimizer.param_groups
-    diffs["lr"] = abs(groups[0]["lr"] - 0.01)  # the saved hyperparameters, not seed 7's 7.01
-    diffs["global_steps"] = abs(engine.global_steps - 2)
-    return diffs
+def load_universal(cases: list[tuple[str, str, str]]) -> list[dict[str, float]]:
+    """Load universal folders into fresh engines with plain DeepSpeed: ``(folder, engine
+    kind, source kind)`` each; the differences from what the source engine held."""
+    out = []
+    for folder, kind, source in cases:
+        engine = engine_of(kind, seed=7, universal=True)
+        zero0 = engine.zero_optimization_stage() == 0
+        # ZeRO-0 has no universal loader: it reads the module and optimizer of these files.
+        path, _ = engine.load_checkpoint(folder, tag="universal" if zero0 else None)
+        assert path is not None
+        truth = truth_of(Path(folder).parent.parent, source)
+        got = engine_truth(engine)
+        diffs = {key: max_diff(got[key], truth[key]) for key in ("params", *MOMENTS)}
+        groups = engine.optimizer.param_groups
+        diffs["lr"] = abs(groups[0]["lr"] - 0.01)  # the saved hyperparameters, not seed 7's
+        diffs["global_steps"] = abs(engine.global_steps - 2)
+        out.append(diffs)
+    return out
 
 
+@pytest.fixture(scope="module")
+def universal(saved: Path) -> Path:
+    """The ZeRO-2 and the bf16 ZeRO-3 folders (world 2) converted to DeepSpeed's universal
+    layout, offline."""
+    for kind in ("zero2", "zero3_bf16"):
+        folder = convert_checkpoint(saved / kind, saved / "universal" / kind, to="deepspeed")
+        assert (folder / "latest_universal").read_text() == "universal"
+    return saved / "universal"
+
+
+@pytest.mark.parametrize(
+    ("world", "cases"),
+    [
+        (1, [("zero2", "zero3")]),
+        (3, [("zero2", "zero1")]),
+        (2, [("zero2", "zero0"), ("zero3_bf16", "zero2")]),
+    ],
+    ids=["zero2-to-zero3-world1", "zero2-to-zero1-world3", "to-zero0-and-bf16-to-fp32-world2"],
+)
 def test_universal_loads_into_other_stages_and_world_sizes(
-    comm_pools: Any, saved: Path, tmp_path: Path
+    comm_pools: Any, universal: Path, world: int, cases: list[tuple[str, str]]
 ) -> None:
-    folder = convert_checkpoint(saved / "zero2", tmp_path / "universal", to="deepspeed")
-    assert (folder / "latest_universal").read_text() == "universal"
-    expected = str(saved / "zero2")
-    for world, kind in ((1, "zero3"), (3, "zero1"), (2, "zero0")):
-        for diffs in comm_pools.get(world).run(
-            load_universal, str(folder), kind, expected, timeout=180
-        ):
-            assert all(value == 0.0 for value in diffs.values()), (world, kind, diffs)
-
-
-def test_universal_of_a_bf16_zero3_loads_into_fp32_zero2(
-    comm_pools: Any, saved: Path, tmp_path: Path
-) -> None:
-    folder = convert_checkpoint(saved / "zero3_bf16", tmp_path / "universal", to="deepspeed")
-    for diffs in comm_pools.get(2).run(
-        load_universal, str(folder), "zero2", str(saved / "zero3_bf16"), timeout=180
-    ):
-        assert all(value == 0.0 for value in diffs.values()), diffs
+    runs = [(str(universal / source), kind, source) for source, kind in cases]
+    for results in comm_pools.get(world).run(load_universal, runs, timeout=240):
+        for (source, kind), diffs in zip(cases, results):
+            assert all(value == 0.0 for value in diffs.values()), (source, kind, diffs)
 
 
 def test_universal_folder_reads_back_offline(saved: Path, tmp_path: Path) -> None:
