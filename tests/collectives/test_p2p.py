@@ -175,3 +175,69 @@ def test_point_to_point_in_a_plain_process() -> None:
         dist.recv(torch.ones(1), 1)
     with pytest.raises(ValueError, match="tag must be a non-negative int"):
         dist.isend(torch.ones(1), 0, tag=-1)
+
+
+def new_group_cases(twin: bool) -> dict[str, Any]:
+    """new_group([0, 2]) of a world of 3: members call through it, rank 1 gets torch's marker.
+
+    With ``twin`` gloo counts as a backend without CPU support (as nccl), so new_group also
+    makes the CPU twin the headers travel on.
+    """
+    from comm_collectives import _route
+    from comm_core import process_group
+
+    saved = process_group._CPU_BACKENDS, _route.side_channel
+    if twin:  # the nccl layout on gloo (as tests/faults does)
+        process_group._CPU_BACKENDS, _route.side_channel = (), True
+    try:
+        rank = dist.get_rank()
+        group = dist.new_group([2, 0], timeout=30.0)
+        out: dict[str, Any] = {"marker": group == torch_dist.GroupMember.NON_GROUP_MEMBER}
+        t = torch.full((3,), float(rank + 1))
+        out["all_reduce"] = (dist.all_reduce(t, group=group), t.tolist())
+        out["all_gather"] = [x.tolist() for x in dist.all_gather(torch.tensor([rank]), group)]
+        out["objects"] = dist.all_gather_object({"rank": rank}, group=group)
+        box = [None]
+        dist.scatter_object_list(box, [10, 20] if rank == 0 else None, src=0, group=group)
+        out["scatter_object_list"] = box
+        if rank in (0, 2):
+            peer = 1 - dist.get_rank(group)
+            dist.send(torch.tensor([rank]), peer, group=group) if rank == 0 else None
+            got = torch.zeros(1, dtype=torch.int64)
+            out["recv"] = dist.recv(got, None, group) if rank == 2 else None
+            out["recv_value"] = got.tolist()
+            side = _route.header_route(group)[0]
+            out["twin"] = side is not group
+        else:
+            out["recv"] = dist.recv(torch.zeros(1), 0, group)  # not a member: -1, as torch
+            out["irecv_done"] = dist.irecv(torch.zeros(1), 0, group).is_completed()
+        out["bad_ranks"] = caught(dist.new_group, [0, 5])
+        return out
+    finally:
+        process_group._CPU_BACKENDS, _route.side_channel = saved
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["gloo", "twin"])
+def test_new_group_members_and_non_members(comm_run_distributed: Any, twin: bool) -> None:
+    results = comm_run_distributed(new_group_cases, twin, world_size=3)
+    for rank in (0, 2):
+        r = results[rank]
+        assert r["marker"] is False
+        assert r["all_reduce"] == (None, [4.0] * 3)  # ranks 0 and 2: 1 + 3
+        assert r["all_gather"] == [[0], [2]]
+        assert r["objects"] == [{"rank": 0}, {"rank": 2}]
+        assert r["scatter_object_list"] == [10 if rank == 0 else 20]
+        assert r["twin"] is twin
+    assert results[2]["recv"] == 0  # the sender's rank in the group
+    assert results[2]["recv_value"] == [0]
+    outsider = results[1]
+    assert outsider["marker"] is True
+    assert outsider["all_reduce"] == (None, [2.0] * 3)  # untouched
+    assert outsider["all_gather"] == []
+    assert outsider["objects"] == []
+    assert outsider["scatter_object_list"] == [None]
+    assert outsider["recv"] == -1
+    assert outsider["irecv_done"] is True
+    for r in results:
+        assert r["bad_ranks"][0] == "ValueError"
+        assert "rank 5 is not a rank of the default group (0..2)" in r["bad_ranks"][1]

@@ -17,6 +17,7 @@ from ._buffers import empty_cache
 from ._modes import debug_enabled, debug_mode, unchecked
 from ._store import rendezvous
 from .coalesced import all_reduce_dict, all_reduce_params
+from .groups import new_group
 from .objects import (
     all_gather_object,
     broadcast_object_list,
@@ -51,6 +52,7 @@ __all__ = [
     "gather_object",
     "irecv",
     "isend",
+    "new_group",
     "recv",
     "recv_object_list",
     "reduce",

@@ -7,12 +7,14 @@ host keeps running ahead.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_cpu_group
 
-__all__ = ["all_gather_flat", "header_route", "side_channel"]
+__all__ = ["all_gather_flat", "header_route", "side_channel", "twins"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the packages support >= 2.4.
 all_gather_flat = (
@@ -24,6 +26,12 @@ all_gather_flat = (
 # gloo count as a backend without CPU support (``comm_core.process_group._CPU_BACKENDS =
 # ()``), so the side group is a real twin distinct from the group.
 side_channel: bool | None = None
+
+# The gloo twins comm_collectives.new_group made for groups of a backend without CPU
+# support: the headers of every call on such a group travel on its twin.
+twins: weakref.WeakKeyDictionary[torch_dist.ProcessGroup, torch_dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def header_route(
@@ -67,6 +75,9 @@ def _side_group(group: torch_dist.ProcessGroup | None) -> torch_dist.ProcessGrou
     default = c10d._get_default_group()
     pg = default if group is None or group is torch_dist.group.WORLD else group
     if pg is not default:
+        twin = twins.get(pg)
+        if twin is not None and twin in c10d._world.pg_map:
+            return twin
         return pg if _has_cpu_backend(pg) else None
     twin = get_cpu_group(None)
     return default if twin is None else twin

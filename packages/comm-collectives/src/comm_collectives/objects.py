@@ -29,6 +29,7 @@ from ._handshake import handshake
 from ._modes import local_fault
 from ._route import all_gather_flat
 from ._serialization import Encoded, decode, encode, frame_offsets, head_lengths
+from .groups import not_member
 from .tensors import _check_root, global_rank
 
 __all__ = [
@@ -128,6 +129,8 @@ def all_gather_object(data: Any, group: torch_dist.ProcessGroup | None = None) -
         >>> all_gather_object({"n": 1})  # a world of one
         [{'n': 1}]
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return []
     if get_world_size(group) == 1:
         return [data]
     encoded, error = _encode(data, "all_gather_object")
@@ -166,6 +169,8 @@ def gather_object(
     Raises:
         RemoteRankError: Some rank could not pickle its object (raised on every rank).
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return None
     if get_world_size(group) == 1:
         _check_root("gather_object", dst, group, "dst")
         return [data]
@@ -212,6 +217,9 @@ def broadcast_object_list(
         TypeError: ``data`` is not a list.
         RemoteRankError: ``src`` could not pickle the list (raised on every rank).
     """
+
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return
 
     def check() -> None:
         _check_root("broadcast_object_list", src, group, "src")
@@ -355,6 +363,8 @@ def scatter_object_list(
         >>> out
         [{'part': 0}]
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return
     world = get_world_size(group)
     me = get_rank(group)
 

@@ -43,8 +43,9 @@ from ._modes import local_fault
 from ._route import header_route
 from ._serialization import decode as decode_frame
 from ._serialization import encode
+from .groups import not_member
 from .tensors import _as_bytes, _check_tensor, _plain, _staged, global_rank
-from .work import Work
+from .work import Work, completed_work
 
 __all__ = ["irecv", "isend", "recv", "recv_object_list", "send", "send_object_list"]
 
@@ -150,6 +151,8 @@ def isend(
             failed); the receiver raises the same error.
         ValueError: ``dst`` is not another rank of the group (raised here only).
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return completed_work("send")
     _prune_orphans()
     _tags(tag)
     _check_peer("send", dst, group, "dst")
@@ -223,6 +226,8 @@ def irecv(
             device kind or call (the bytes are drained first; ``tensor`` is unchanged).
         RemoteRankError: At ``wait()``: the sender failed (its error), or died (named).
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return completed_work("recv")
     _prune_orphans()
     if src is not None:
         _check_peer("recv", src, group, "src")
@@ -259,6 +264,8 @@ def recv(
         CommTimeoutError: Nothing arrived within the group's timeout (the peer named).
         ValueError: ``src`` is not another rank of the group.
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return -1
     return _receive("recv", tensor, None, src, group, tag)
 
 
@@ -279,6 +286,8 @@ def send_object_list(
             error), or the receiver died (named).
         ValueError: ``dst`` is not another rank of the group (raised here only).
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return
     _prune_orphans()
     _check_peer("send_object_list", dst, group, "dst")
     try:
@@ -324,6 +333,8 @@ def recv_object_list(
         RemoteRankError: The sender failed (its error), or died (named).
         TypeError: ``object_list`` is not a list (after the message was drained).
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return -1
     return _receive("recv_object_list", None, object_list, src, group, 0)
 
 

@@ -27,6 +27,7 @@ from ._reduce import (
     start_backend_reduce,
     write_back,
 )
+from .groups import not_member
 from .tensors import _as_bytes, _check_root, _check_tensor, _plain, _staged, global_rank
 from .work import Work, completed_work
 
@@ -68,6 +69,8 @@ def reduce(
         >>> t
         tensor([2., 4.])
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return None
     done = completed_work("reduce") if async_op else None
     if get_world_size(group) == 1:
         name = reduce_op_name(op)
@@ -184,6 +187,8 @@ def scatter(
         >>> out
         tensor([1., 2.])
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return None
     world = get_world_size(group)
     done = completed_work("scatter") if async_op else None
 

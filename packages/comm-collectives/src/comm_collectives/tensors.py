@@ -36,6 +36,7 @@ from ._reduce import (
     write_back,
 )
 from ._route import all_gather_flat
+from .groups import not_member
 from .work import Work, completed_work
 
 __all__ = [
@@ -111,6 +112,8 @@ def all_reduce(
         >>> t
         tensor([1, 3])
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return None
     if get_world_size(group) == 1:
         reduce_op_name(op)
         _check_tensor("all_reduce", data)
@@ -359,6 +362,8 @@ def all_gather(*args: Any, **kwargs: Any) -> Any:
 
 
 def _all_gather(data: torch.Tensor, group: torch_dist.ProcessGroup | None) -> list[torch.Tensor]:
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return []
     if get_world_size(group) == 1:
         _check_tensor("all_gather", data)
         return [data]
@@ -394,6 +399,8 @@ def _all_gather_into(
     group: torch_dist.ProcessGroup | None,
     async_op: bool,
 ) -> Work | None:
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return None
     world = get_world_size(group)
 
     def check() -> None:
@@ -528,6 +535,8 @@ def gather(*args: Any, **kwargs: Any) -> Any:
 def _gather(
     data: torch.Tensor, dst: int, group: torch_dist.ProcessGroup | None
 ) -> list[torch.Tensor]:
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return []
     if get_world_size(group) == 1:
         _local_checks("gather", data, lambda: _check_root("gather", dst, group, "dst"))
         return [data]
@@ -569,6 +578,8 @@ def _gather_into(
     group: torch_dist.ProcessGroup | None,
     async_op: bool,
 ) -> Work | None:
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return None
     world = get_world_size(group)
     me = get_rank(group)
 
@@ -658,6 +669,8 @@ def broadcast(
     Raises:
         CollectiveMismatchError: Ranks passed different shapes, dtypes or sources.
     """
+    if not_member(group):  # torch's behaviour outside a group: nothing
+        return None
     done = completed_work("broadcast") if async_op else None
     if get_world_size(group) == 1:
         _local_checks("broadcast", data, lambda: _check_root("broadcast", src, group, "src"))
