@@ -12,9 +12,12 @@ from comm_collectives._serialization import decode, encode, frame_pieces
 
 
 def test_comm_core_api_is_re_exported() -> None:
-    for name in set(comm_core.__all__) - {"__version__"}:
+    for name in set(comm_core.__all__) - {"__version__", "barrier"}:
         assert getattr(dist, name) is getattr(comm_core, name)
         assert name in dist.__all__
+    # comm_collectives' barrier is checked like a collective and takes async_op
+    assert dist.barrier is not comm_core.barrier
+    assert "barrier" in dist.__all__
 
 
 def test_tensor_collectives_in_a_world_of_one() -> None:

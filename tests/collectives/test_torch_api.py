@@ -146,6 +146,17 @@ def _cases(group: Any, tag: str) -> dict[str, Any]:
     assert handle is not None
     handle.wait()
     out[f"{tag}async/reduce"] = red.tolist()
+    out[f"{tag}barrier"] = (
+        dist.barrier(group),
+        dist.barrier(group=group, async_op=True).wait(timeout=30.0),  # type: ignore[union-attr]
+    )
+    if rank == 0:  # one rank in a barrier, the others in an all_reduce: both raise
+        out[f"{tag}barrier/mismatch"] = caught(dist.barrier, group)
+        pending = dist.barrier(group, async_op=True)
+        out[f"{tag}barrier/mismatch_async"] = caught(pending.wait)  # type: ignore[union-attr]
+    else:
+        out[f"{tag}barrier/mismatch"] = caught(dist.all_reduce, torch.ones(1), group=group)
+        out[f"{tag}barrier/mismatch_async"] = caught(dist.all_reduce, torch.ones(1), group=group)
     sc = torch.zeros(3)
     handle = dist.scatter(sc, chunks, src=root, group=group, async_op=True)
     assert handle is not None
@@ -237,6 +248,13 @@ def _expect(results: list[dict[str, Any]], world: int, tag: str, members: list[i
         maxima = [float(i + n) for i in range(5)]
         assert r[f"{tag}async/reduce"] == (maxima if rank == 0 else base)
         assert r[f"{tag}async/scatter"] == expected
+        assert r[f"{tag}barrier"] == (None, True)
+        for case in ("barrier/mismatch", "barrier/mismatch_async"):
+            name, message = r[f"{tag}{case}"]
+            assert name == "CollectiveMismatchError", (case, message)
+            assert "different collectives" in message
+            assert "barrier" in message
+            assert "all_reduce" in message
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -255,6 +273,8 @@ def test_torch_primitives_in_a_world_of_one() -> None:
     t = torch.tensor([1.0, 2.0])
     dist.reduce(t, dst=0, op=torch_dist.ReduceOp.SUM)
     assert t.tolist() == [1.0, 2.0]
+    assert dist.barrier() is None
+    assert dist.barrier(async_op=True).wait(timeout=1.0)  # type: ignore[union-attr]
     work = dist.all_reduce(t, async_op=True)
     assert work is not None
     assert work.is_completed()

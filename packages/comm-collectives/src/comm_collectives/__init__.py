@@ -13,6 +13,7 @@ from comm_core import __all__ as _core_all
 
 from .__about__ import __version__
 from ._agree import agree
+from ._barrier import barrier  # type: ignore[assignment]  # checked, with async_op
 from ._buffers import empty_cache
 from ._modes import debug_enabled, debug_mode, unchecked
 from ._store import rendezvous
@@ -31,7 +32,7 @@ from .tensors import all_gather, all_reduce, broadcast, gather, sync_random_seed
 from .work import Work
 
 __all__ = [
-    *[name for name in _core_all if name != "__version__"],
+    *[name for name in _core_all if name not in ("__version__", "barrier")],
     "Work",
     "__version__",
     "agree",
@@ -40,6 +41,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_dict",
     "all_reduce_params",
+    "barrier",
     "broadcast",
     "broadcast_object_list",
     "collect_results",
