@@ -535,11 +535,13 @@ UNIVERSAL_LATEST = "latest_universal"
 
 
 def _ds_version() -> str:
+    """The installed DeepSpeed's version, from its metadata (importing it logs to stdout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        import deepspeed
-    except ImportError:
-        return "0.19.8"  # the layout below is what this version reads
-    return str(deepspeed.__version__)
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "0.19.8"  # the layout written here is what this version reads
 
 
 def universal_files(
@@ -559,10 +561,10 @@ def universal_files(
     ``TAG/zero/optimizer_state.pt``: the hyperparameters of each group (ZeRO 1/2 read
     ``param_groups``, ZeRO-3 ``optimizer_state_dict``); ``TAG/zero/NAME/fp32.pt`` (the
     fp32 master), ``exp_avg.pt``, ``exp_avg_sq.pt`` (``{"param": full tensor}``) and
-    ``step.pt`` per parameter. The model states also hold the full module and the
-    optimizer's own state dict, which a ZeRO-0 engine loads natively (without
-    ``load_universal``, ``tag="universal"``). Plain objects only: every file loads with
-    ``torch.load(weights_only=True)``.
+    ``step.pt`` per parameter. ``mp_rank_00_model_states.pt`` also holds the full module
+    and the optimizer's own state dict, which a ZeRO-0 engine loads natively (without
+    ``load_universal``, ``tag="universal"``): the folder is about twice the size of the
+    state. Plain objects only: every file loads with ``torch.load(weights_only=True)``.
 
     Args:
         model: Full parameters and buffers by name (floating ones written as fp32).
@@ -609,8 +611,10 @@ def universal_files(
         "ds_version": version,
     }
     yield UNIVERSAL_LATEST, UNIVERSAL_TAG
-    for name in (_MODEL_STATES, f"zero_pp_rank_0_{_MODEL_STATES}"):
-        yield f"{UNIVERSAL_TAG}/{name}", model_states
+    yield f"{UNIVERSAL_TAG}/{_MODEL_STATES}", model_states
+    # ZeRO-3 engines read only the counters of theirs: no second copy of the weights.
+    counters = {**model_states, "module": {}, "optimizer": None}
+    yield f"{UNIVERSAL_TAG}/zero_pp_rank_0_{_MODEL_STATES}", counters
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in groups]
     common = {
         "param_groups": groups,
