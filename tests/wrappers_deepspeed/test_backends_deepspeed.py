@@ -99,7 +99,7 @@ def contract(stage: int, bf16: bool) -> dict[str, Any]:
     net, oracle_optim = _oracle_step(weights)
     out["stepped"] = max_diff(full_params(wrapper), dict(net.named_parameters()))
 
-    if out["not_portable"] is None:  # ZeRO-0 in fp32: the client torch optimizer
+    if out["not_portable"] is None:  # the moments, by parameter name, at any stage
         names = [n for n, _ in net.named_parameters()]
         expected = {names[i]: s["exp_avg"] for i, s in oracle_optim.state_dict()["state"].items()}
         # a snapshot: on the CPU the full state shares memory with the live moments
@@ -119,7 +119,7 @@ def contract(stage: int, bf16: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("stage", "bf16"), [(0, False), (1, False), (2, False), (3, False), (0, True)]
+    ("stage", "bf16"), [(0, False), (1, False), (2, False), (3, False), (0, True), (2, True)]
 )
 def test_every_zero_stage_passes_the_backend_contract(
     comm_run_distributed: Any, stage: int, bf16: bool
@@ -141,13 +141,13 @@ def test_every_zero_stage_passes_the_backend_contract(
         assert r["rank0_state"] == (names if rank == 0 else {})
         assert r["loaded"] < (1e-2 if bf16 else EXACT)
         assert r["stepped"] < (2e-2 if bf16 else EXACT)
-        if stage == 0 and not bf16:
+        if stage > 0 or not bf16:  # ZeRO 1-3 (DeepSpeed's per-parameter API), ZeRO-0 fp32
+            tolerance = 1e-2 if bf16 else EXACT
             assert r["not_portable"] is None
-            assert r["exp_avg"] < EXACT
-            assert r["optim_round_trip"] < EXACT
+            assert r["exp_avg"] < tolerance
+            assert r["optim_round_trip"] < tolerance
             assert r["rank0_optim"] == (names if rank == 0 else {})
         else:
-            form = f"partitioned form (ZeRO stage {stage})" if stage else "ZeRO stage 0 in bf16"
-            assert form in r["not_portable"]
-            assert "has no per-parameter full form here" in r["not_portable"]
+            assert "ZeRO stage 0 in bf16 or fp16" in r["not_portable"]
+            assert "has no per-parameter full form" in r["not_portable"]
             assert r["optim_state"] == ("ValueError", r["not_portable"])

@@ -2,7 +2,7 @@
 
 ``full`` (``model.pt``/``optim.pt``, full tensors written by rank 0), ``dcp`` (every rank
 writes its shards with torch distributed checkpoint) and ``deepspeed`` (DeepSpeed's own
-files). Writers and readers call the model's backend adapter (``comm_wrappers.backends``)
+files, and the full files beside them). Writers and readers call the model's backend adapter (``comm_wrappers.backends``)
 and never ask which backend it is: the adapter decides (sharded state or full, DeepSpeed's
 engine or not).
 """
@@ -207,7 +207,10 @@ class DcpFormat:
     def read(
         self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
     ) -> None:
-        if backend.format_for(True) != self.name:  # a backend that cannot take DCP shards
+        resharded = manifest.world_size != dist.get_world_size()
+        if backend.format_for(True) != self.name or (  # a backend that cannot take shards
+            resharded and not backend.reshards_sharded_state
+        ):
             _check_portable(manifest, source, backend, request)
             state = read_dcp_full(source)
             _load_full(backend, state["model"], state.get("optim", {}), request, str(source))
@@ -254,24 +257,39 @@ def read_dcp_full(source: Path) -> dict[str, Any]:
 
 
 class DeepSpeedFormat:
-    """DeepSpeed's own files under ``deepspeed/``: natively into an engine of the same ZeRO
-    stage and world size, else consolidated (the weights only)."""
+    """DeepSpeed's own files under ``deepspeed/``, and beside them the portable full copy
+    (``model.pt`` with the fp32 master weights, ``optim.pt`` keyed by parameter names).
+
+    The native files are the fast path into an engine of the same ZeRO stage and world
+    size; every other model (another stage, another world size, DDP, FSDP, one process)
+    reads the portable copy, optimizer state included. Checkpoints of format version 1
+    have no portable copy: their weights are consolidated from DeepSpeed's files.
+    """
 
     name: ClassVar[str] = "deepspeed"
 
     def write(
         self, backend: Backend, optimizers: Optimizers, folder: Path, attempts: Attempts
     ) -> dict[str, list[Any]]:
-        params = backend.param_shapes()
         attempts.run(ds_files.save_native, backend.engine, folder)
-        return params
+        # ZeRO-0 in fp16 has no portable optimizer state: its copy holds the weights only
+        portable = optimizers if backend.optimizer_not_portable() is None else {}
+        return FullFormat().write(backend, portable, folder, attempts)
 
     def read(
         self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
     ) -> None:
-        folder = source / DS_FOLDER
+        same_engine = (
+            backend.engine is not None
+            and manifest.zero_stage == backend.describe()["zero_stage"]
+            and manifest.world_size == dist.get_world_size()
+        )
+        portable = (source / MODEL_FILE).is_file()
+        if portable and not same_engine:
+            FullFormat().read(source, manifest, backend, request)
+            return
         load_native_folder(
-            folder,
+            source / DS_FOLDER,
             DS_TAG,
             (manifest.zero_stage, manifest.world_size),
             backend,

@@ -58,6 +58,9 @@ class Backend:
     # Whether the parameters are split across ranks: full states are then gathered (and
     # scattered on load), and a full state on rank 0 only is a collective.
     _shards: ClassVar[bool] = False
+    #: Whether a sharded state saved at another world size loads into the model's own
+    #: sharded state (torch distributed checkpoint reshards it); else through the full one.
+    reshards_sharded_state: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module, engine: Any = None) -> None:
         self.model = model

@@ -24,6 +24,10 @@ class FSDP1Backend(Backend):
 
     kind: ClassVar[str] = "fsdp1"
     _shards: ClassVar[bool] = True
+    # torch's DCP load planner (2.13) cannot fit FSDP1's sharded optimizer state saved at
+    # another world size ("Missing key in checkpoint state_dict: optim...param_groups",
+    # saved at 2, loaded at 3): such a load goes through the full state instead.
+    reshards_sharded_state: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
