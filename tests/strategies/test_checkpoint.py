@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,12 @@ from comm_strategies.checkpoint import (
     full_model_state_dict,
     full_optim_state_dict,
     load_checkpoint,
+    load_full_optim_state_dict,
     read_manifest,
     save_checkpoint,
 )
-from comm_wrappers import MMFullyShardedDataParallel2
-from tests.helpers import full_params, max_diff
+from comm_wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel2, OptimWrapper
+from tests.helpers import caught, full_params, max_diff
 from tests.strategies.ckpt_models import (
     KINDS,
     build,
@@ -431,6 +433,78 @@ def test_clear_errors_on_every_rank(comm_pools: Any, tmp_path: Path) -> None:
         assert "truncated or corrupt" in truncated
         assert "the ranks passed different paths" in result["paths"]
         assert "ds_unsafe does not exist" in result["missing"]
+
+
+def strict_false_loads_the_rest(root: str) -> dict[str, Any]:
+    """A checkpoint of Net into a wider model: strict raises, strict=False loads the rest
+    (weights and optimizer state) and warns with what it skipped; an optimizer state of
+    another model is an error naming its entries."""
+
+    class Wider(torch.nn.Module):  # Net with a three-output head
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin1 = torch.nn.Linear(4, 8)
+            self.lin2 = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 3)
+
+    model, optim = build("ddp")
+    train_steps(model, optim, range(2))
+    path = save_checkpoint(f"{root}/net", model=model, optim_wrapper=optim, strategy="ddp")
+    saved = {n: v.detach().clone() for n, v in model.module.named_parameters()}
+    moments = {
+        name: optim.optimizer.state[param]["exp_avg"].clone()
+        for name, param in model.module.named_parameters()
+    }
+    out: dict[str, Any] = {}
+    for kind in ("ddp", "zero2"):
+        wider = Wider()
+        if kind == "ddp":
+            target: Any = MMDistributedDataParallel(wider)
+            target_optim: Any = OptimWrapper(torch.optim.AdamW(target.parameters(), lr=0.5))
+        else:
+            from comm_wrappers.deepspeed import initialize
+
+            config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+            optimizer = torch.optim.AdamW(wider.parameters(), lr=0.5)
+            target, target_optim = initialize(wider, config, optimizer)
+        out[f"{kind}/strict"] = caught(
+            load_checkpoint, path, model=target, optim_wrapper=target_optim
+        )[1]
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            load_checkpoint(path, model=target, optim_wrapper=target_optim, strict=False)
+        out[f"{kind}/warned"] = [
+            str(r.message) for r in records if "strict=False" in str(r.message)
+        ]
+        state = full_optim_state_dict(target, target_optim)
+        loaded = dict(full_model_state_dict(target))
+        out[f"{kind}/weights"] = max_diff(
+            {n: loaded[n] for n in saved if not n.startswith("head")},
+            {n: v for n, v in saved.items() if not n.startswith("head")},
+        )
+        out[f"{kind}/moments"] = max_diff(
+            {n: state["state"][n]["exp_avg"] for n in moments if not n.startswith("head")},
+            {n: v for n, v in moments.items() if not n.startswith("head")},
+        )
+        out[f"{kind}/lr"] = state["param_groups"][0]["lr"]
+    stranger = full_optim_state_dict(model, optim)
+    stranger["state"] = {f"other.{n}": v for n, v in stranger["state"].items()}
+    out["stranger"] = caught(load_full_optim_state_dict, model, optim, stranger)[1]
+    return out
+
+
+def test_strict_false_loads_what_fits_and_reports_the_rest(comm_pools: Any, tmp_path: Path) -> None:
+    for result in comm_pools.get(2).run(strict_false_loads_the_rest, str(tmp_path), timeout=180):
+        for kind in ("ddp", "zero2"):
+            assert "head.weight: checkpoint [2, 8], model [3, 8]" in result[f"{kind}/strict"]
+            assert "Pass strict=False" in result[f"{kind}/strict"]
+            [warned] = result[f"{kind}/warned"]
+            assert "head.bias: checkpoint [2], model [3]" in warned
+            assert result[f"{kind}/weights"] == 0.0
+            assert result[f"{kind}/moments"] == 0.0
+            assert result[f"{kind}/lr"] == 0.01  # the saved hyperparameters, not 0.5
+        assert "other.lin1.weight" in result["stranger"]
+        assert "not parameters of this model" in result["stranger"]
 
 
 def full_state_functions() -> dict[str, Any]:

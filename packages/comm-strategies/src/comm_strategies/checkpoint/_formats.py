@@ -29,7 +29,7 @@ from ._errors import CheckpointError
 from ._files import load_tensor_file, save_tensor_file
 from ._layout import DCP_FOLDER, DS_FOLDER, DS_TAG, MODEL_FILE, OPTIM_FILE
 from ._manifest import Manifest
-from ._params import check_against, describe_params, fit_names
+from ._params import check_against, describe_params, fit_names, fit_optimizer_state
 
 Optimizers = Mapping[str, torch.optim.Optimizer]
 
@@ -86,19 +86,32 @@ class LoadRequest:
     allow_unsafe_pickle: bool = False
 
 
-def load_full_model(backend: Backend, state: Mapping[str, Any], strict: bool, source: str) -> None:
+def load_full_model(
+    backend: Backend,
+    state: Mapping[str, Any],
+    strict: bool,
+    source: str,
+    expected: Mapping[str, list[Any]] | None = None,
+) -> list[str]:
     """Load a full state (every rank holds it) after matching its names with the model's.
 
     Names may carry wrapper prefixes (``module.``, ``_orig_mod.``...): removed when that
-    fits the model better. Raises `CheckpointError` naming missing, unexpected or
-    differently shaped entries.
+    fits the model better. Returns the names a ``strict=False`` load skipped (missing,
+    unexpected or differently shaped: it loads the rest and warns with them).
+    ``expected``: the model's `Backend.param_shapes`, when the caller has them.
+
+    Raises:
+        CheckpointError: ``strict`` and an entry is missing, unexpected or differently
+            shaped (the message names them).
     """
-    expected = backend.param_shapes()
+    if expected is None:
+        expected = backend.param_shapes()
     fitted = fit_names(state, expected)
-    check_against(expected, describe_params(fitted), source, strict)
-    if not strict:
-        fitted = {k: v for k, v in fitted.items() if k in expected}
+    skipped = check_against(expected, describe_params(fitted), source, strict)
+    if skipped:
+        fitted = {k: v for k, v in fitted.items() if k in expected and k not in skipped}
     backend.load_model_state(fitted, full=True, strict=strict)
+    return skipped
 
 
 def _cannot_move(manifest: Manifest, source: Path, backend: Backend, why: str) -> CheckpointError:
@@ -118,9 +131,11 @@ def _load_full(
     request: LoadRequest,
     source: str,
 ) -> None:
-    load_full_model(backend, model_state, request.strict, source)
+    params = backend.param_shapes()
+    skipped = load_full_model(backend, model_state, request.strict, source, params)
     for key, optimizer in request.optimizers.items():
-        backend.load_optim_state(optimizer, optim_states[key], full=True)
+        state = fit_optimizer_state(optim_states[key], params, skipped, f"{source} ({key})")
+        backend.load_optim_state(optimizer, state, full=True, strict=request.strict)
 
 
 def _check_portable(
@@ -215,10 +230,12 @@ class DcpFormat:
             state = read_dcp_full(source)
             _load_full(backend, state["model"], state.get("optim", {}), request, str(source))
             return
-        check_against(backend.param_shapes(), manifest.params, str(source), request.strict)
+        skipped = check_against(
+            backend.param_shapes(), manifest.params, str(source), request.strict
+        )
         state = sharded_state(backend, request.optimizers)
-        if not request.strict:
-            state["model"] = {k: v for k, v in state["model"].items() if k in manifest.params}
+        if skipped:
+            state["model"] = {k: v for k, v in state["model"].items() if k not in skipped}
         try:
             with quiet_torch():
                 dcp_load(state, checkpoint_id=str(source / DCP_FOLDER))

@@ -14,6 +14,7 @@ from .._build import torch_optimizers
 from ._errors import CheckpointError
 from ._formats import load_full_model
 from ._layout import DEFAULT_KEY
+from ._params import fit_optimizer_state
 
 
 def named_optimizers(optim_wrapper: Any) -> dict[str, torch.optim.Optimizer]:
@@ -116,7 +117,8 @@ def load_full_optim_state_dict(
 ) -> None:
     """Load a full optimizer state keyed by parameter names (from `full_optim_state_dict`).
 
-    Collective. An ``OptimWrapperDict`` takes ``{key: state}``.
+    Collective. An ``OptimWrapperDict`` takes ``{key: state}``. An entry for a name that
+    is not a parameter of ``model`` raises `CheckpointError` naming it.
 
     Examples:
         >>> import torch
@@ -139,5 +141,7 @@ def load_full_optim_state_dict(
             f"{sorted(optimizers)}: they must match"
         )
         raise CheckpointError(message)
+    params = backend.param_shapes()
     for key, optimizer in optimizers.items():
-        backend.load_optim_state(optimizer, states[key], full=True)
+        state = fit_optimizer_state(states[key], params, [], f"the optimizer state ({key})")
+        backend.load_optim_state(optimizer, state, full=True)

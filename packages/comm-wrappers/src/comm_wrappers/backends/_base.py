@@ -257,9 +257,11 @@ class Backend:
         return {} if rank0_only and get_rank() != 0 else dict(state)
 
     def load_optim_state(
-        self, optimizer: Optimizer, state: Mapping[str, Any], *, full: bool
+        self, optimizer: Optimizer, state: Mapping[str, Any], *, full: bool, strict: bool = True
     ) -> None:
         """Load one optimizer's state keyed by parameter names (full or sharded).
+
+        ``strict=False``: parameters without an entry in ``state`` keep their own state.
 
         Raises:
             ValueError: The state has no per-parameter form (see `optimizer_not_portable`).
@@ -270,7 +272,7 @@ class Backend:
         # Unsharded models hold full tensors: nothing to distribute. torch's full path also
         # needs one tensor state to find the device: without one there is nothing to shard.
         full = full and self._shards and has_tensor_state(state)
-        options = dsd.StateDictOptions(full_state_dict=full)
+        options = dsd.StateDictOptions(full_state_dict=full, strict=strict)
         with quiet_torch():
             dsd.set_optimizer_state_dict(self._target(), optimizer, dict(state), options=options)
 

@@ -266,7 +266,7 @@ class DeepSpeedBackend(Backend):
         return {"state": states, "param_groups": out_groups}
 
     def load_optim_state(
-        self, optimizer: Optimizer, state: Mapping[str, Any], *, full: bool
+        self, optimizer: Optimizer, state: Mapping[str, Any], *, full: bool, strict: bool = True
     ) -> None:
         """Load a full optimizer state keyed by parameter names into the flat partitions.
 
@@ -276,11 +276,11 @@ class DeepSpeedBackend(Backend):
 
         Raises:
             ValueError: ``full=False``, no per-parameter form, not the engine's optimizer,
-                or a parameter of the model missing from ``state``.
+                or a parameter of the model missing from ``state`` (unless ``strict=False``).
         """
         groups = self._flat_groups()
         if groups is None:
-            super().load_optim_state(optimizer, state, full=full)
+            super().load_optim_state(optimizer, state, full=full, strict=strict)
             return
         _require_full(full, "load_optim_state")
         self._check_optimizer(optimizer)
@@ -315,6 +315,8 @@ class DeepSpeedBackend(Backend):
                     entry = saved_states.get(names[id(param)])
                     if not keys or not param.requires_grad:
                         continue
+                    if not entry and not strict:
+                        continue  # strict=False: this parameter keeps its own state
                     if not entry:
                         message = (
                             f"the optimizer state has no entry for {names[id(param)]!r}, "
