@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import comm_collectives as dist
+from comm_strategies.checkpoint import _deepspeed_files as ds_files
 from comm_strategies.checkpoint import (
     convert_checkpoint,
     load_checkpoint,
@@ -184,6 +185,9 @@ def test_offline_reader_equals_what_the_engine_holds(saved: Path, kind: str) -> 
     [group] = state.optim["param_groups"]
     assert group["params"] == NAMES
     assert (group["lr"], group["weight_decay"], group["betas"]) == (0.01, 0.01, (0.9, 0.999))
+    # What comm's loaders call for a DeepSpeed folder elsewhere: the same, without the opt-in.
+    consolidated = ds_files.consolidate(saved / kind, allow_unsafe_pickle=False)
+    assert max_diff(consolidated, truth["params"]) == 0.0
 
 
 @pytest.mark.parametrize("kind", GROUPS)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import io
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,11 +153,15 @@ def split_folder(folder: Path) -> tuple[Path, str]:
 
 
 def require_unsafe(folder: Path, allow_unsafe_pickle: bool) -> None:
-    """DeepSpeed's files need full unpickling: refuse without the caller's opt-in."""
+    """Refuse a foreign DeepSpeed file that only full unpickling reads, without the opt-in.
+
+    DeepSpeed's ordinary files load with ``weights_only=True`` (`deepspeed_safe_globals`);
+    this is for files that hold other objects (a custom scheduler, a user's client state).
+    """
     if not allow_unsafe_pickle:
         message = (
-            f"{folder} holds DeepSpeed's own files, which only load with full unpickling "
-            f"(torch.load(weights_only=False)). {UNSAFE_HINT}."
+            f"{folder} holds objects beyond DeepSpeed's plain checkpoint records, which only "
+            f"load with full unpickling (torch.load(weights_only=False)). {UNSAFE_HINT}."
         )
         raise CheckpointError(message)
 
@@ -166,39 +169,17 @@ def require_unsafe(folder: Path, allow_unsafe_pickle: bool) -> None:
 def consolidate(folder: Path, *, allow_unsafe_pickle: bool) -> dict[str, torch.Tensor]:
     """One full fp32 state dict from a DeepSpeed checkpoint folder, offline (ZeRO 0-3).
 
-    ZeRO 1-3 go through DeepSpeed's ``zero_to_fp32``; ZeRO-0 (which ``zero_to_fp32``
-    cannot read) takes the module state of ``mp_rank_00_model_states.pt``.
+    Read safely (``weights_only=True``, DeepSpeed's record classes allowed) by
+    ``_deepspeed_offline``: the fp32 masters joined and cut by the recorded shapes, the
+    buffers from the module state. ``allow_unsafe_pickle`` is needed only for files that
+    hold objects beyond DeepSpeed's plain records.
     """
-    require_unsafe(folder, allow_unsafe_pickle)
+    from ._deepspeed_offline import read_folder
+
     save_dir, tag = split_folder(folder)
-    tag_dir = save_dir / tag
-    if not any(tag_dir.glob("*optim_states.pt")):  # ZeRO-0: the module state is whole
-        states = _load_unsafe(tag_dir / "mp_rank_00_model_states.pt")
-        module = states.get("module") if isinstance(states, dict) else None
-        if not isinstance(module, Mapping):
-            message = f"{tag_dir / 'mp_rank_00_model_states.pt'} has no 'module' state dict"
-            raise CheckpointError(message)
-        return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
-    _deepspeed()  # a clear error without the extra
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    log = io.StringIO()
-    try:
-        # zero_to_fp32 prints its progress (and progress bars): keep them off the log.
-        with torch.no_grad(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            state = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag=tag)
-    except Exception as error:
-        message = f"DeepSpeed's zero_to_fp32 cannot read {tag_dir}: {error}\n{log.getvalue()}"
-        raise CheckpointError(message) from error
-    return {name: value.detach().clone() for name, value in state.items()}
-
-
-def _load_unsafe(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:
-        message = f"{path} is truncated or corrupt: {error}"
-        raise CheckpointError(message) from error
+    return read_folder(
+        save_dir / tag, optimizer=False, allow_unsafe_pickle=allow_unsafe_pickle
+    ).model
 
 
 def folder_world_size(tag_dir: Path) -> int | None:
