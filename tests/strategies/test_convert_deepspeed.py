@@ -10,6 +10,8 @@ the truth the offline reader and the conversions must reproduce, independent of 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,14 @@ import pytest
 import torch
 
 import comm_collectives as dist
-from comm_strategies.checkpoint import _deepspeed_files as ds_files
 from comm_strategies.checkpoint import (
+    CheckpointError,
     convert_checkpoint,
     load_checkpoint,
     read_manifest,
     save_checkpoint,
 )
+from comm_strategies.checkpoint import _deepspeed_files as ds_files
 from comm_strategies.checkpoint._deepspeed_offline import read_folder
 from comm_wrappers import OptimWrapper
 from tests.wrappers.net import BATCH, Net, batch, global_batch
@@ -360,3 +363,41 @@ def test_a_comm_deepspeed_folder_converts_with_its_optimizer(
     for key in MOMENTS:
         moments = {name: optimizer.state[param][key] for name, param in params.items()}
         assert max_diff(moments, truth[key]) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["zero3", "zero2_groups"])
+def test_deepspeeds_own_universal_folder_reads_offline(
+    saved: Path, tmp_path: Path, kind: str
+) -> None:
+    """What DeepSpeed's ds_to_universal writes (ZeRO-3: flat tensors and no step.pt;
+    ZeRO-2: groups named by index) reads the same as the folder it came from."""
+    out = tmp_path / "global_step2_universal"
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
+    command += ["--input_folder", str(saved / kind / "global_step2"), "--output_folder", str(out)]
+    command += ["--inject_missing_state"]  # ZeRO 1/2: a client's universal info (none here)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    truth = truth_of(saved, kind)
+    state = read_folder(out)
+    assert max_diff(state.model, truth["params"]) == 0.0
+    assert state.optim is not None
+    for key in MOMENTS:
+        moments = {name: entry[key] for name, entry in state.optim["state"].items()}
+        assert max_diff(moments, truth[key]) < (1e-6 if kind.endswith("_groups") else 1e-30)
+    assert {float(entry["step"]) for entry in state.optim["state"].values()} == {2.0}
+    names = [group["params"] for group in state.optim["param_groups"]]
+    lrs = [group["lr"] for group in state.optim["param_groups"]]
+    if kind.endswith("_groups"):
+        assert names == [NAMES[0::2], NAMES[1::2]]
+        assert lrs == [0.01, 0.02]
+    else:
+        assert names == [NAMES]
+        assert lrs == [0.01]
+
+
+def test_a_tensor_parallel_folder_is_refused_by_name(saved: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "tp"
+    shutil.copytree(saved / "zero1" / "global_step2", folder)
+    shutil.copy(folder / "mp_rank_00_model_states.pt", folder / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match="tensor-, pipeline- or expert-parallel save"):
+        read_folder(folder)

@@ -125,6 +125,7 @@ def read_folder(
     unsafe = allow_unsafe_pickle
     if is_universal(tag_dir):
         return _read_universal(tag_dir, optimizer, unsafe)
+    _refuse_model_parallel(tag_dir)
     optim_files = _rank_files(tag_dir, "optim_states.pt")
     if not optim_files:
         return _read_zero0(tag_dir, optimizer, unsafe)
@@ -133,6 +134,24 @@ def read_folder(
     if stage == 3:
         return _read_zero3(tag_dir, optim_files, first, optimizer, unsafe)
     return _read_zero12(tag_dir, optim_files, first, optimizer, unsafe)
+
+
+def _refuse_model_parallel(tag_dir: Path) -> None:
+    """Tensor-, pipeline- or expert-parallel saves split the parameters further: refused
+    by name rather than read half."""
+    others = sorted(
+        p.name
+        for pattern in ("*mp_rank_0[1-9]*", "*mp_rank_[1-9]*", "layer_*", "*expert_*")
+        for p in tag_dir.glob(pattern)
+    )
+    if others:
+        message = (
+            f"{tag_dir} holds the files of a tensor-, pipeline- or expert-parallel save "
+            f"({', '.join(others[:4])}...): this reader takes data-parallel ZeRO checkpoints "
+            "only; convert it with DeepSpeed's ds_to_universal.py first (comm reads the "
+            "universal folder it writes)"
+        )
+        raise CheckpointError(message)
 
 
 def _rank_files(tag_dir: Path, suffix: str) -> list[Path]:
@@ -491,6 +510,10 @@ def _read_universal(tag_dir: Path, optimizer: bool, unsafe: bool) -> DeepSpeedSt
     if not states_path.is_file():
         states_path = tag_dir / f"zero_pp_rank_0_{_MODEL_STATES}"
     states = _model_states(states_path, unsafe)
+    # DeepSpeed's converter writes ZeRO-3's tensors flat: shaped by the recorded shapes.
+    shapes = {
+        n: tuple(int(d) for d in v) for s in states.get("param_shapes") or [] for n, v in s.items()
+    }
     model: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, Any]] = {}
     for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
@@ -500,24 +523,23 @@ def _read_universal(tag_dir: Path, optimizer: bool, unsafe: bool) -> DeepSpeedSt
             value = load_file(file, allow_unsafe_pickle=unsafe)
             if isinstance(value, Mapping):
                 value = value[UNIVERSAL_KEY]
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and name in shapes:
+                value = value.reshape(shapes[name])
             if file.stem == "fp32":
                 model[name] = value.float().clone()
             else:
                 entry[file.stem] = _clone(value)
         if optimizer and any(k != "step" for k in entry):
             moments[name] = entry
+    step = _universal_step(common)  # ZeRO-3's converter writes no step.pt: one step for all
+    for entry in moments.values():
+        if "step" not in entry and step is not None:
+            entry["step"] = _clone(step)
     model.update({k: v for k, v in _buffers(states).items() if k not in model})
-    groups = common.get("param_groups", [])
+    groups = [dict(group) for group in common.get("param_groups", [])]
     optim = None
-    if optimizer:
-        named = [dict(group) for group in groups]
-        recorded = [list(group.get("params", [])) for group in named]
-        if len(named) == 1 or not all(isinstance(n, str) for p in recorded for n in p):
-            # DeepSpeed's own universal files record no names per group: one group takes all
-            names = [n for n in _ordered(states["module"], model) if n in moments or n in model]
-            params = [n for n in names if n not in _buffers(states)]
-            named = [{**{k: v for k, v in named[0].items() if k != "params"}, "params": params}]
-        optim = {"state": moments, "param_groups": named}
+    if optimizer and groups and moments:
+        optim = {"state": moments, "param_groups": _universal_groups(groups, states, model)}
     world = int(states.get("dp_world_size") or 1)
     return DeepSpeedState(
         model=_ordered(states["module"], model),
@@ -526,6 +548,39 @@ def _read_universal(tag_dir: Path, optimizer: bool, unsafe: bool) -> DeepSpeedSt
         world_size=world,
         **_meta(states),
     )
+
+
+def _universal_step(common: Mapping[str, Any]) -> Any:
+    inner = common.get("optimizer_state_dict")
+    state = inner.get("state") if isinstance(inner, Mapping) else None
+    first = next(iter(state.values()), None) if isinstance(state, Mapping) and state else None
+    return first.get("step") if isinstance(first, Mapping) else None
+
+
+def _universal_groups(
+    groups: list[dict[str, Any]], states: Mapping[str, Any], model: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The param groups of a universal folder, by names: as this module writes them
+    (names), or as DeepSpeed's converter does (flat group indices, named through the
+    model states' ``param_shapes``), or one group of every parameter."""
+    recorded = [p for group in groups for p in group.get("params", [])]
+    if all(isinstance(p, str) for p in recorded):
+        return groups
+    shapes = states.get("param_shapes") or []
+    if shapes and all(int(p) < len(shapes) for p in recorded):
+        named: list[dict[str, Any]] = _named_groups(groups, [list(s) for s in shapes], {})[
+            "param_groups"
+        ]
+        return named
+    if len(groups) == 1:
+        buffers = _buffers(states)
+        params = [name for name in _ordered(states["module"], model) if name not in buffers]
+        return [{**{k: v for k, v in groups[0].items() if k != "params"}, "params": params}]
+    message = (
+        f"{len(groups)} parameter groups whose parameters are not named, and no param_shapes "
+        "to name them: the universal folder's model states file is missing or foreign"
+    )
+    raise CheckpointError(message)
 
 
 # ------------------------------------------------------- writing the universal layout
