@@ -13,6 +13,7 @@ world of 1 or 2 gloo ranks, and compares with the reference exactly.
 
 from __future__ import annotations
 
+import argparse
 import random
 import shutil
 from pathlib import Path
@@ -200,25 +201,35 @@ def test_world_2_layouts_load_into_the_layout_that_saved_them(
 def test_every_layout_loads_into_a_plain_model_in_one_process(
     comm_pools: Any, legacy: Path
 ) -> None:
-    """Full files and DCP with their optimizer state; DeepSpeed's files weights only (its
-    ZeRO optimizer state does not leave DeepSpeed), with ``allow_unsafe_pickle``."""
+    """Every layout with its optimizer state, DeepSpeed's included (read offline, its fp32
+    masters and ZeRO partitions joined), without ``allow_unsafe_pickle``: the next step
+    equals the plain run's."""
     layouts = _reference(legacy)["layouts"]
-    cases = [
-        (layout, "amp_fp16" if layout == "amp_fp16" else "single",
-         {"load_optimizer": False, "allow_unsafe_pickle": True} if layout in DEEPSPEED else {})
-        for layout in layouts
-    ]  # fmt: skip
+    cases = [(layout, "amp_fp16" if layout == "amp_fp16" else "single", {}) for layout in layouts]
     [result] = comm_pools.get(1).run(load_layouts, str(legacy), cases, timeout=300)
     assert sorted(result) == sorted(layouts)
     for layout, loaded in result.items():
-        assert ("params_next" in loaded) == (layout not in DEEPSPEED)
+        assert "params_next" in loaded, layout
         _assert_loaded(layout, loaded, layouts[layout][0])  # rank 0's RNG state
 
 
+def _plant_an_object(tag_dir: Path) -> None:
+    """Put an object of a class DeepSpeed's files never hold into one of its files."""
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    states["planted"] = argparse.Namespace(note="not a DeepSpeed record")
+    torch.save(states, path)
+
+
 @pytest.mark.parametrize("layout", DEEPSPEED)
-def test_deepspeed_files_into_a_plain_model_need_allow_unsafe_pickle(
-    comm_pools: Any, legacy: Path, layout: str
+def test_deepspeed_files_holding_other_objects_need_allow_unsafe_pickle(
+    comm_pools: Any, legacy: Path, tmp_path: Path, layout: str
 ) -> None:
-    """Today's behaviour: DeepSpeed's own files, read outside DeepSpeed, need full unpickling."""
-    [message] = comm_pools.get(1).run(load_refused, str(legacy), layout, timeout=120)
+    """Only DeepSpeed's record classes are allowed: a file with any other object is refused
+    without the opt-in (the error names it), and loads with it."""
+    root = tmp_path / "planted"
+    shutil.copytree(legacy, root)
+    _plant_an_object(root / layout / "deepspeed" / "state")
+    [message] = comm_pools.get(1).run(load_refused, str(root), layout, timeout=120)
     assert "allow_unsafe_pickle" in message, message
+    assert "argparse.Namespace" in message or "Namespace" in message, message

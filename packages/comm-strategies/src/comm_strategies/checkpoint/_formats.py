@@ -327,11 +327,12 @@ def load_native_folder(
     load_optimizer: bool,
 ) -> None:
     """A DeepSpeed folder saved with ``layout`` = (ZeRO stage, world size): natively into an
-    engine of that layout, else its weights consolidated (its optimizer state cannot move).
+    engine of that layout, else read offline into full states (fp32 masters and the
+    optimizer state keyed by names) and loaded as a full checkpoint.
 
     ``load_optimizer`` is what the engine loads natively: the engine owns its optimizer,
     so a folder of DeepSpeed's own loads it even without an optimizer wrapper passed; the
-    optimizers of ``request`` are those that must move (a refusal when they cannot).
+    optimizers of ``request`` are those that must move (one: DeepSpeed has one).
     """
     stage, world = layout
     same_engine = (
@@ -350,14 +351,27 @@ def load_native_folder(
             allow_unsafe_pickle=unsafe,
         )
         return
-    if request.optimizers:
+    not_portable = backend.optimizer_not_portable()
+    if request.optimizers and not_portable is not None:
+        raise cannot_move(not_portable)
+    if len(request.optimizers) > 1:
         why = (
-            "DeepSpeed's optimizer files load only into an engine of the same ZeRO stage "
-            f"(saved {stage}) and world size (saved {world}, now {dist.get_world_size()})"
+            f"a DeepSpeed folder holds one optimizer, the optim wrapper has "
+            f"{sorted(request.optimizers)}"
         )
         raise cannot_move(why)
-    state = ds_files.consolidate(save_dir / tag, allow_unsafe_pickle=unsafe)
-    load_full_model(backend, state, request.strict, str(save_dir))
+    from ._deepspeed_offline import read_folder
+
+    state = read_folder(
+        save_dir / tag, optimizer=bool(request.optimizers), allow_unsafe_pickle=unsafe
+    )
+    optim_states = {key: state.optim for key in request.optimizers if state.optim is not None}
+    moved = LoadRequest(
+        request.strict,
+        {k: v for k, v in request.optimizers.items() if k in optim_states},
+        unsafe,
+    )
+    _load_full(backend, state.model, optim_states, moved, str(save_dir / tag))
 
 
 FORMATS: dict[str, FullFormat | DcpFormat | DeepSpeedFormat] = {

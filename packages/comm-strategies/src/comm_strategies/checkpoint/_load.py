@@ -156,19 +156,16 @@ def _describe(data: Any) -> str:
 def _load_deepspeed_folder(
     source: Path, backend: Backend, request: LoadRequest, load_optimizer: bool
 ) -> None:
-    """DeepSpeed's own folder: natively into an engine of its layout, else consolidated."""
+    """DeepSpeed's own folder: natively into an engine of its layout, else read offline
+    (fp32 masters and optimizer state) into any model."""
     save_dir, tag = ds_files.split_folder(source)
     stage, world = ds_files.native_layout(save_dir / tag)
 
     def cannot_move(why: str) -> CheckpointError:
-        engine_stage = backend.describe()["zero_stage"]
         message = (
-            f"{source} is a DeepSpeed ZeRO-{stage} checkpoint of {world} rank(s): its "
-            "optimizer state loads only into a DeepSpeed engine of the same stage and world "
-            f"size (this is a {backend.kind} model"
-            + (f", ZeRO-{engine_stage}" if engine_stage is not None else "")
-            + f", {dist.get_world_size()} rank(s)). Pass load_optimizer=False to load the "
-            "weights only."
+            f"{source} is a DeepSpeed ZeRO-{stage} checkpoint of {world} rank(s); its "
+            f"optimizer state cannot load into this {backend.kind} model: {why}. Pass "
+            "load_optimizer=False to load the weights only."
         )
         return CheckpointError(message)
 
