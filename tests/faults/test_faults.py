@@ -74,6 +74,13 @@ COLLECTIVES = (
     "all_gather_object",
     "gather_object",
     "sync_random_seed",
+    "reduce",
+    "scatter",
+    "scatter_object_list",
+    "all_gather_into",  # torch's all_gather(tensor_list, tensor)
+    "gather_into",  # torch's gather(tensor, gather_list, dst)
+    "barrier",
+    "all_reduce_async",
 )
 
 # (collective, kind) pairs with no such fault: the argument or field does not exist
@@ -91,6 +98,13 @@ NOT_APPLICABLE = {
     ("sync_random_seed", "shape"),
     ("sync_random_seed", "staging"),  # no local work after the handshake
     ("all_gather", "op_or_root"),  # no op, no root (all_gather_object: another collective)
+    ("scatter_object_list", "dtype"),
+    ("scatter_object_list", "shape"),
+    ("all_gather_into", "op_or_root"),
+    ("barrier", "bad_arg"),  # no argument but the group
+    ("barrier", "staging"),  # no local work after the headers
+    ("barrier", "dtype"),
+    ("barrier", "shape"),
 }
 
 
@@ -130,6 +144,35 @@ def _tensor_case(name: str) -> Callable[[int, int, str, bool], None]:
                 dist.all_gather_object(obj)
         elif name == "gather_object":
             dist.gather_object({"rank": rank, "t": t}, dst=world if bad else 1 if other else 0)
+        elif name == "reduce":
+            dist.reduce(t, dst=1 if other else 0, op="avg" if bad else "sum")
+        elif name == "scatter":
+            src = rank if other else 0  # one rank names itself as the source
+            chunks = [torch.full((3,), float(k)) for k in range(world)] if rank == src else None
+            if bad:  # a list on a rank that is not the source
+                chunks = [t] * world
+            dist.scatter(t, chunks, src=src)
+        elif name == "scatter_object_list":
+            box: Any = [] if bad else [None]  # an empty output list
+            src = rank if other else 0
+            parts = [{"to": k, "t": t} for k in range(world)] if rank == src else None
+            dist.scatter_object_list(box, parts, src=src)
+        elif name == "all_gather_into":
+            outs = [torch.zeros(3, dtype=dtype) for _ in range(world - 1 if bad else world)]
+            dist.all_gather(outs, t)
+        elif name == "gather_into":
+            dst = world if bad else rank if other else 0
+            outs = [torch.zeros(3, dtype=dtype) for _ in range(world)] if rank == dst else None
+            dist.gather(t, outs, dst)
+        elif name == "barrier":
+            if other:
+                dist.all_reduce(t)
+            else:
+                dist.barrier()
+        elif name == "all_reduce_async":
+            work = dist.all_reduce(t, op="avg" if bad else "max" if other else "sum", async_op=True)
+            assert work is not None
+            work.wait(timeout=BOUND_S)
         elif name == "sync_random_seed":
             if other:
                 dist.broadcast_object_list([0])
@@ -278,10 +321,14 @@ def test_every_fault_raises_on_every_rank_in_time(
 KILLS = [
     (name, "local", 3 if name in ("all_reduce", "all_gather_object", "broadcast") else 2)
     for name in COLLECTIVES
+    # the paths of these are killed above already (the same handshake, vote and transfer)
+    if name not in ("all_gather_into", "gather_into", "all_reduce_async", "barrier")
+    and name != "scatter_object_list"
 ] + [
     ("all_reduce", "staging", 2),
     ("all_gather_object", "staging", 2),
     ("broadcast_object_list", "staging", 2),
+    ("all_reduce_async", "staging", 2),
 ]
 
 

@@ -9,6 +9,7 @@ reduction is then done locally in rank order, so every rank gets bit-identical r
 
 from __future__ import annotations
 
+import inspect
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, overload
@@ -353,12 +354,27 @@ def all_gather(*args: Any, **kwargs: Any) -> Any:
     torch_form = "tensor_list" in kwargs or "tensor" in kwargs
     torch_form = torch_form or bool(args and isinstance(args[0], (list, tuple)))
     form = ALL_GATHER_TORCH if torch_form else ALL_GATHER_MM
-    bound = bind("all_gather", form, args, kwargs)
+    bound = _bound("all_gather", form, args, kwargs)
     if not torch_form:
         return _all_gather(bound["data"], bound["group"])
     return _all_gather_into(
         bound["tensor_list"], bound["tensor"], bound["group"], bound["async_op"]
     )
+
+
+def _bound(
+    operation: str, form: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """``bind``, and when the arguments fit neither form, the TypeError raised on every rank
+    (this rank joins the call's handshake with it, so the others do not wait)."""
+    try:
+        return bind(operation, form, args, kwargs)
+    except TypeError as exc:
+        given = [kwargs.get("group"), *args]
+        group = next((g for g in given if isinstance(g, torch_dist.ProcessGroup)), None)
+        if get_world_size(group) > 1:
+            handshake(Header(operation, error=exc), group)
+        raise
 
 
 def _all_gather(data: torch.Tensor, group: torch_dist.ProcessGroup | None) -> list[torch.Tensor]:
@@ -524,7 +540,7 @@ def gather(*args: Any, **kwargs: Any) -> Any:
     if len(args) >= 2 and (args[1] is None or isinstance(args[1], (list, tuple))):
         torch_form = True
     form = GATHER_TORCH if torch_form else GATHER_MM
-    bound = bind("gather", form, args, kwargs)
+    bound = _bound("gather", form, args, kwargs)
     if not torch_form:
         return _gather(bound["data"], bound["dst"], bound["group"])
     return _gather_into(
