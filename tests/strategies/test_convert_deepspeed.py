@@ -245,8 +245,33 @@ def load_universal(cases: list[tuple[str, str, str]]) -> list[dict[str, float]]:
         if kind.endswith("_groups"):
             diffs["lr_biases"] = abs(groups[1]["lr"] - 0.02)
         diffs["global_steps"] = abs(engine.global_steps - 2)
+        # Training goes on as plain torch from the saved state would (tolerance: the sums'
+        # order; a wrong step count, moment or learning rate moves the weights by ~1e-3).
+        train(engine, range(2, 3))
+        expected = one_more_step(truth, kind, dist.get_world_size())
+        diffs["next_step"] = float(max_diff(engine_truth(engine)["params"], expected) >= 1e-6)
         out.append(diffs)
     return out
+
+
+def one_more_step(
+    truth: dict[str, dict[str, torch.Tensor]], kind: str, world: int
+) -> dict[str, torch.Tensor]:
+    """Plain torch: the saved weights and AdamW state (step 2), one step on the global
+    batch of step 2 at ``world`` ranks."""
+    module = Net()
+    named = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, param in named.items():
+            param.copy_(truth["params"][name])
+    optimizer = adamw(module, kind, 0.01)
+    for name, param in named.items():
+        optimizer.state[param] = {"step": torch.tensor(2.0)}
+        optimizer.state[param].update({key: truth[key][name].clone() for key in MOMENTS})
+    inputs, targets = global_batch(2, 0, world)
+    module(inputs, targets, mode="loss")["loss"].backward()
+    optimizer.step()
+    return {name: param.detach().clone() for name, param in named.items()}
 
 
 def flat_moments(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
