@@ -292,6 +292,11 @@ def test_registry_names_and_errors() -> None:
     assert build_strategy(built) is built
     with pytest.raises(KeyError, match=r"unknown strategy 'fdsp'\. Available names: .*fsdp2"):
         build_strategy("fdsp")
+    with pytest.raises(ValueError) as unknown:  # a clear type, and a message without quotes
+        build_strategy("nope")
+    assert type(unknown.value).__name__ == "UnknownStrategyError"
+    assert str(unknown.value).startswith("unknown strategy 'nope'. Available names: ")
+    assert "register_strategy" in str(unknown.value)
     with pytest.raises(ValueError, match="fsdp_version must be 1 or 2"):
         build_strategy("fsdp", fsdp_version=3)
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):

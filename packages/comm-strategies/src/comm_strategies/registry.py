@@ -22,7 +22,13 @@ from .deepspeed import DeepSpeedStrategy
 from .fsdp import FSDPStrategy
 from .single import SingleDeviceStrategy
 
-__all__ = ["ENTRY_POINT_GROUP", "available_strategies", "build_strategy", "register_strategy"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "UnknownStrategyError",
+    "available_strategies",
+    "build_strategy",
+    "register_strategy",
+]
 
 #: The entry-point group third-party strategies are registered under.
 ENTRY_POINT_GROUP = "comm.strategies"
@@ -122,6 +128,21 @@ def available_strategies() -> list[str]:
     return sorted(set(_REGISTRY) | {point.name for point in _entry_points()})
 
 
+class UnknownStrategyError(KeyError, ValueError):
+    """A strategy name that no registration and no entry point provides.
+
+    A `KeyError` (as before, and as a registry lookup is) and a `ValueError` (a bad
+    argument value); its message prints as written, without the quotes `KeyError` adds.
+
+    Examples:
+        >>> str(UnknownStrategyError("unknown strategy 'x'"))
+        "unknown strategy 'x'"
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def build_strategy(strategy: Any, **kwargs: Any) -> Strategy:
     """Build a strategy from a name, a class name, a config dict, a class or an instance.
 
@@ -135,7 +156,8 @@ def build_strategy(strategy: Any, **kwargs: Any) -> Strategy:
         The strategy (nothing is set up yet).
 
     Raises:
-        KeyError: The name is unknown; the message lists the known names.
+        UnknownStrategyError: The name is unknown (a `KeyError` and a `ValueError`); the
+            message lists the known names and how to add one.
 
     Examples:
         >>> build_strategy("fsdp2").fsdp_version
@@ -145,7 +167,7 @@ def build_strategy(strategy: Any, **kwargs: Any) -> Strategy:
         >>> build_strategy("fdsp")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        KeyError: "unknown strategy 'fdsp'. Available names: DDPStrategy, ..., fsdp, fsdp2, ..."
+        comm_strategies.registry.UnknownStrategyError: unknown strategy 'fdsp'. Available names: DDPStrategy, ..., fsdp, fsdp2, ...
     """
     if isinstance(strategy, Strategy):
         if kwargs:
@@ -173,7 +195,9 @@ def build_strategy(strategy: Any, **kwargs: Any) -> Strategy:
         entry = _REGISTRY.get(strategy)
     if entry is None:
         message = (
-            f"unknown strategy {strategy!r}. Available names: {', '.join(available_strategies())}"
+            f"unknown strategy {strategy!r}. Available names: "
+            f"{', '.join(available_strategies())}. A strategy of your own: register it with "
+            "register_strategy, or pass its class"
         )
-        raise KeyError(message)
+        raise UnknownStrategyError(message)
     return entry.strategy(**{**copy.deepcopy(entry.defaults), **options})
