@@ -3,7 +3,11 @@
 Started by tests/strategies/test_checkpoint_kill.py on 2 ranks (one process each, rank
 variables set by the test). ``COMM_TEST_KILL`` makes every rank SIGKILL itself:
 ``train:N`` right after the optimizer step N, ``save:N`` inside the save at step N, once
-every rank has written its files and before the folder is renamed into place.
+every rank has written its files and before the folder is renamed into place. With
+``--async-save`` the saves are ``async_save=True`` (the kill ``save:N`` then comes from the
+background thread that writes the save of step N, while training goes on; ``train:N``
+waits for the last save to be published first); the last handle is waited for before the
+parameters are written.
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import comm_core  # noqa: E402
-from comm_strategies.checkpoint import _save, find_latest, load_checkpoint, save_checkpoint  # noqa: E402
+from comm_strategies.checkpoint import (  # noqa: E402
+    SaveHandle,
+    _save,
+    find_latest,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tests.helpers import full_params  # noqa: E402
 from tests.strategies.ckpt_models import build, strategy_of, torch_optimizer  # noqa: E402
 from tests.wrappers.net import batch  # noqa: E402
@@ -36,6 +46,7 @@ def main() -> None:
     parser.add_argument("--work-dir", required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
     kill = os.environ.get("COMM_TEST_KILL", "")
     when, _, at = kill.partition(":")
@@ -47,6 +58,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(torch_optimizer(optim), step_size=2, gamma=0.5)
     torch.manual_seed(100 + rank)
     start = 0
+    handle = None
     latest = find_latest(args.work_dir)
     if latest is not None:
         extra = load_checkpoint(
@@ -64,18 +76,23 @@ def main() -> None:
         scheduler.step()
         done = step + 1
         if when == "train" and int(at) == done:
+            if isinstance(handle, SaveHandle):  # killed once the last save is published
+                handle.wait()
             _die()
         if done % 2 == 0:
             if when == "save" and int(at) == done:
                 _save._stage_hook = lambda stage: _die() if stage == "written" else None
-            save_checkpoint(
+            handle = save_checkpoint(
                 Path(args.work_dir) / f"step_{done}",
                 model=model,
                 optim_wrapper=optim,
                 schedulers=[scheduler],
                 strategy=strategy_of(args.kind),
                 extra={"step": done},
+                async_save=args.async_save,
             )
+    if isinstance(handle, SaveHandle):
+        handle.wait()
     params = full_params(model)
     if rank == 0:
         torch.save({"params": params, "start": start}, args.out)

@@ -2,7 +2,9 @@
 
 Each run is the same command on 2 ranks (``ckpt_train.py``); the restarted run resumes
 from the last whole checkpoint (found by its manifest) and must end with exactly the
-parameters of a run that was never interrupted.
+parameters of a run that was never interrupted. The async case saves with
+``async_save=True`` and is killed from the background thread writing a save, while the
+training thread goes on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ SCRIPT = Path(__file__).with_name("ckpt_train.py")
 RUN_TIMEOUT_S = 120
 
 
-def _run(kind: str, work_dir: Path, out: Path, kill: str = "") -> list[int]:
+def _run(kind: str, work_dir: Path, out: Path, kill: str = "", mode: str = "sync") -> list[int]:
     """Start the 2 ranks, wait (bounded), return their exit codes."""
     store = tempfile.mktemp(prefix="comm-kill-store-", dir=work_dir.parent)
     processes = []
@@ -37,6 +39,8 @@ def _run(kind: str, work_dir: Path, out: Path, kill: str = "") -> list[int]:
             COMM_TEST_KILL=kill,
         )
         command = [sys.executable, str(SCRIPT), "--kind", kind, "--work-dir", str(work_dir)]
+        if mode == "async":
+            command.append("--async-save")
         processes.append(
             subprocess.Popen(
                 [*command, "--out", str(out)],
@@ -66,25 +70,27 @@ def _finished(work_dir: Path) -> list[str]:
     return sorted(p.name for p in work_dir.iterdir() if (p / "manifest.json").is_file())
 
 
-@pytest.mark.parametrize("kind", ["fsdp2", "zero3"])
+@pytest.mark.parametrize(
+    ("kind", "mode"), [("fsdp2", "sync"), ("zero3", "sync"), ("fsdp2", "async")]
+)
 def test_kill_in_training_and_in_save_then_resume_equals_uninterrupted(
-    tmp_path: Path, kind: str
+    tmp_path: Path, kind: str, mode: str
 ) -> None:
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
-    _run(kind, reference_dir, tmp_path / "reference.pt")
+    _run(kind, reference_dir, tmp_path / "reference.pt", mode=mode)
     reference = torch.load(tmp_path / "reference.pt")
     assert reference["start"] == 0
 
     # Killed right after step 3: step_2 is the last whole checkpoint.
-    assert _run(kind, resumed_dir, tmp_path / "x.pt", kill="train:3") == [-9, -9]
+    assert _run(kind, resumed_dir, tmp_path / "x.pt", kill="train:3", mode=mode) == [-9, -9]
     assert _finished(resumed_dir) == ["step_2"]
     # Restarted, then killed inside the save of step 4: files written, folder not renamed.
-    assert _run(kind, resumed_dir, tmp_path / "x.pt", kill="save:4") == [-9, -9]
+    assert _run(kind, resumed_dir, tmp_path / "x.pt", kill="save:4", mode=mode) == [-9, -9]
     assert _finished(resumed_dir) == ["step_2"]
     leftovers = [p.name for p in resumed_dir.iterdir() if p.name.startswith(".step_4.tmp-")]
     assert len(leftovers) == 1  # the killed save's files, never taken for a checkpoint
     # The same command once more: resumes from step_2 and finishes.
-    _run(kind, resumed_dir, tmp_path / "resumed.pt")
+    _run(kind, resumed_dir, tmp_path / "resumed.pt", mode=mode)
     resumed = torch.load(tmp_path / "resumed.pt")
     assert resumed["start"] == 2
     assert _finished(resumed_dir) == ["step_2", "step_4", "step_6"]
