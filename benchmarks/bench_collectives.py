@@ -43,8 +43,95 @@ gather_flat = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_g
 
 def _sizes(smoke: bool) -> dict[str, int]:
     if smoke:
-        return {"dicts": 20, "array_mb": 1, "tensor_mb": 1, "scalars": 8, "results": 200}
-    return {"dicts": 2000, "array_mb": 32, "tensor_mb": 4, "scalars": 128, "results": 20000}
+        return {
+            "dicts": 20,
+            "array_mb": 1,
+            "tensor_mb": 1,
+            "scalars": 8,
+            "results": 200,
+            "p2p_mb": 1,
+            "async_mib": 1,
+            "matmul": 64,
+        }
+    return {
+        "dicts": 2000,
+        "array_mb": 32,
+        "tensor_mb": 4,
+        "scalars": 128,
+        "results": 20000,
+        "p2p_mb": 32,
+        "async_mib": 64,
+        "matmul": 1024,
+    }
+
+
+def _exchange(impl: Any, tensor: torch.Tensor, into: torch.Tensor) -> Callable[[], Any]:
+    """One message from rank 0 to rank 1 with ``impl``'s send and recv."""
+    rank = torch_dist.get_rank()
+    return (lambda: impl.send(tensor, 1)) if rank == 0 else (lambda: impl.recv(into, 0))
+
+
+def _overlapped(start: Callable[[], Any], a: torch.Tensor, b: torch.Tensor) -> Callable[[], Any]:
+    """Start a collective, multiply ``a @ b`` meanwhile, then wait for the collective."""
+
+    def run() -> None:
+        work = start()
+        torch.mm(a, b)
+        if work is not None:
+            work.wait()
+
+    return run
+
+
+def _primitive_cases(
+    sizes: dict[str, int],
+) -> list[tuple[str, int, int, dict[str, Callable[[], Any]]]]:
+    """torch.distributed's primitives: comm's checked call against torch's own."""
+    rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
+    n = sizes["p2p_mb"] * 10**6 // 4
+    data = torch.full((n,), float(rank + 1))
+    reduced = data.clone()
+    chunks = [torch.full((n,), float(k)) for k in range(world)] if rank == 0 else None
+    out = torch.empty(n)
+    big = torch.full((sizes["async_mib"] * 2**20 // 4,), 1.0)
+    side = sizes["matmul"]
+    a, b = torch.randn(side, side), torch.randn(side, side)
+    return [
+        (
+            f"reduce: {sizes['p2p_mb']} MB float32",
+            n * 4,
+            1,
+            {
+                "comm": lambda: comm.reduce(reduced, dst=0),
+                "torch": lambda: torch_dist.reduce(reduced, dst=0),
+            },
+        ),
+        (
+            f"scatter: {sizes['p2p_mb']} MB float32 a rank",
+            n * 4,
+            1,
+            {
+                "comm": lambda: comm.scatter(out, chunks, src=0),
+                "torch": lambda: torch_dist.scatter(out, chunks, src=0),
+            },
+        ),
+        (
+            f"send / recv: {sizes['p2p_mb']} MB float32",
+            n * 4,
+            1,
+            {"comm": _exchange(comm, data, out), "torch": _exchange(torch_dist, data, out)},
+        ),
+        (
+            f"async all_reduce {sizes['async_mib']} MiB beside a {side}x{side} matmul",
+            big.numel() * 4,
+            1,
+            {
+                "comm": _overlapped(lambda: comm.all_reduce(big, async_op=True), a, b),
+                "torch": _overlapped(lambda: torch_dist.all_reduce(big, async_op=True), a, b),
+                "sync": _overlapped(lambda: comm.all_reduce(big), a, b),
+            },
+        ),
+    ]
 
 
 def _small_dicts(n: int, rank: int) -> list[dict[str, Any]]:
@@ -175,6 +262,7 @@ def _cases(
                 "mmengine": lambda: mm.collect_results(results, size, device="gpu"),
             },
         ),
+        *_primitive_cases(sizes),
     ]
 
 
@@ -317,7 +405,12 @@ def memory_rank(label: str, smoke: bool, workdir: str, bind: bool) -> dict[str, 
 
 
 # Result keys of the references, and their names in the tables and the chart.
-_REFERENCES = {"mmengine": "mmengine", "torch": "torch.distributed", "raw": "raw all_gather"}
+_REFERENCES = {
+    "mmengine": "mmengine",
+    "torch": "torch.distributed",
+    "raw": "raw all_gather",
+    "sync": "comm's blocking call",
+}
 
 
 def _ratios(case: dict[str, Any]) -> dict[str, float]:
@@ -350,13 +443,25 @@ def _markdown(result: dict[str, Any]) -> str:
         "|---|---:|",
     ]
     for case in result["cases"]:
+        if "mmengine" not in case["paired"]:  # torch's primitives: MMEngine has none
+            continue
         mid, low, high = case["paired"]["mmengine"]
+        lines.append(f"| {case['case']} | {mid:.3f}x ({low:.3f}-{high:.3f}) |")
+    lines += ["", "| case | comm / torch.distributed, paired by repeat (95% CI) |", "|---|---:|"]
+    for case in result["cases"]:
+        if "mmengine" in case["paired"] or "torch" not in case["paired"]:
+            continue
+        mid, low, high = case["paired"]["torch"]
         lines.append(f"| {case['case']} | {mid:.3f}x ({low:.3f}-{high:.3f}) |")
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{1000 * value:.2f} ms"
 
-    lines += ["", "| case | comm | " + " | ".join(names) + " |", "|---|" + "---:|" * 4]
+    lines += [
+        "",
+        "| case | comm | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * (1 + len(names)),
+    ]
     for case in result["cases"]:
         s = case["seconds"]
         cells = [ms(s.get("comm")), *(ms(s.get(key)) for key in _REFERENCES)]
