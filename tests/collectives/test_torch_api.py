@@ -157,6 +157,15 @@ def _cases(group: Any, tag: str) -> dict[str, Any]:
     else:
         out[f"{tag}barrier/mismatch"] = caught(dist.all_reduce, torch.ones(1), group=group)
         out[f"{tag}barrier/mismatch_async"] = caught(dist.all_reduce, torch.ones(1), group=group)
+    with dist.debug_mode():  # the mismatch table shows every rank's call site
+        out[f"{tag}debug/reduce"] = caught(dist.reduce, torch.ones(rank + 1), 0, "sum", group)
+        out[f"{tag}debug/scatter"] = caught(
+            dist.scatter,
+            torch.ones(rank + 1),
+            [torch.ones(1)] * world if rank == 0 else None,
+            0,
+            group,
+        )
     sc = torch.zeros(3)
     handle = dist.scatter(sc, chunks, src=root, group=group, async_op=True)
     assert handle is not None
@@ -249,6 +258,14 @@ def _expect(results: list[dict[str, Any]], world: int, tag: str, members: list[i
         assert r[f"{tag}async/reduce"] == (maxima if rank == 0 else base)
         assert r[f"{tag}async/scatter"] == expected
         assert r[f"{tag}barrier"] == (None, True)
+        for case in ("debug/reduce", "debug/scatter"):
+            name, message = r[f"{tag}{case}"]
+            assert name in ("CollectiveMismatchError", "RemoteRankError"), (case, message)
+            assert "call site" in message or name == "RemoteRankError", (case, message)
+        name, message = r[f"{tag}debug/reduce"]
+        assert name == "CollectiveMismatchError", message
+        assert "different shape" in message
+        assert "helpers.py:" in message  # the call site: where caught() made the call
         for case in ("barrier/mismatch", "barrier/mismatch_async"):
             name, message = r[f"{tag}{case}"]
             assert name == "CollectiveMismatchError", (case, message)
