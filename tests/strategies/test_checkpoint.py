@@ -712,8 +712,18 @@ def test_a_text_file_is_a_checkpoint_error(tmp_path: Path) -> None:
     # the weights-only unpickler stops on stray bytes with a bare KeyError or IndexError
     for name, text in (("hello.pth", "hello\n"), ("notes.pth", "a\nb c\n")):
         (tmp_path / name).write_text(text)
-        with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        with pytest.raises(CheckpointError) as error:
             load_checkpoint(tmp_path / name, model=torch.nn.Linear(3, 2))
+        message = str(error.value)
+        assert f"{name} is not a checkpoint: it is a text file (it starts with " in message
+        assert "Expected a file written by torch.save" in message
+        assert "truncated or corrupt" not in message
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(40)))
+    with pytest.raises(CheckpointError, match="binary data of another format"):
+        load_checkpoint(tmp_path / "image.png", model=torch.nn.Linear(3, 2))
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint: it is empty \(0 bytes\)"):
+        load_checkpoint(tmp_path / "empty.pt", model=torch.nn.Linear(3, 2))
 
 
 @pytest.mark.parametrize("timeout", ["5", True, [1]])

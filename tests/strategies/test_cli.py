@@ -215,7 +215,7 @@ def test_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert cli.main(["convert", str(bad), str(tmp_path / "out.pt")]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err
-    assert "truncated or corrupt" in err
+    assert "is not a checkpoint: it is a text file" in err
 
 
 def test_console_script_and_module_run(saved: Path) -> None:

@@ -69,6 +69,14 @@ def load_tensor_file(
         message = f"{what} {path} does not exist"
         raise CheckpointError(message)
     is_zip = zipfile.is_zipfile(path)
+    foreign = None if is_zip else _not_a_torch_file(path)
+    if foreign is not None:
+        message = (
+            f"{what} {path} is not a checkpoint: it is {foreign}. Expected a file written "
+            "by torch.save (a zip archive, or a pickle from torch before 1.6) or a comm "
+            "checkpoint folder"
+        )
+        raise CheckpointError(message)
     try:
         with torch.serialization.safe_globals(numpy_safe_globals()):
             return torch.load(
@@ -131,6 +139,22 @@ def _weights_only_detail(text: str) -> str:
             return line.strip()
     lines = text.strip().splitlines()
     return lines[0] if lines else "no detail"
+
+
+def _not_a_torch_file(path: Path) -> str | None:
+    """What a file that is neither a zip archive nor a pickle is (None: it may be torch's)."""
+    with path.open("rb") as handle:
+        head = handle.read(256)
+    if not head:
+        return "empty (0 bytes)"
+    if head[:1] == b"\x80" or head[:4] == b"PK\x03\x04":
+        return None  # a pickle (torch before 1.6), or a zip archive (torch's; maybe cut)
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"binary data of another format (it starts with {head[:8]!r})"
+    first = text.strip().splitlines()[0][:40] if text.strip() else ""
+    return f"a text file (it starts with {first!r})"
 
 
 def _first_line(error: BaseException) -> str:
