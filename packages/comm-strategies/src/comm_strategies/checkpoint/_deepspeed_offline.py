@@ -255,6 +255,22 @@ def _read_zero0(tag_dir: Path, optimizer: bool, unsafe: bool) -> DeepSpeedState:
             raise _unnamed(path, len(masters), names)
         model.update({name: master.float().clone() for name, master in zip(names, masters)})
         saved = inner
+    elif isinstance(saved, Mapping) and isinstance(saved.get("fp32_groups_flat"), Sequence):
+        # fp16's fused optimizer: one flat fp32 master per group, whose members it does not
+        # record; one group is the module's parameters in order
+        flats = saved["fp32_groups_flat"]
+        shapes = [module[name].shape for name in names]
+        if len(flats) == 1 and flats[0].numel() == sum(math.prod(s) for s in shapes):
+            pieces = flats[0].float().split([math.prod(s) for s in shapes])
+            model.update({n: t.reshape(s).clone() for n, t, s in zip(names, pieces, shapes)})
+        if optimizer:
+            message = (
+                f"{path}: the optimizer state of a ZeRO-0 fp16 engine (fused, flat per "
+                "group) is not read offline; convert with to='plain' (the fp32 masters), or "
+                "load it into a ZeRO-0 engine of the same world size"
+            )
+            raise CheckpointError(message)
+        saved = None
     if optimizer and isinstance(saved, Mapping) and "param_groups" in saved:
         optim = _named_torch_state(saved, names, path)
     world = int(states.get("dp_world_size") or 1)
