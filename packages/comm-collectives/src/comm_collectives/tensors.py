@@ -328,13 +328,10 @@ def all_gather(*args: Any, **kwargs: Any) -> Any:
       rank ``i``'s shape and the dtype); returns None, or a
       [`Work`][comm_collectives.Work] handle with ``async_op=True``.
 
-    Args:
-        data: This rank's tensor (MMEngine's form); dtype must be the same on every rank.
-        tensor_list: One output tensor per rank (torch's form).
-        tensor: This rank's tensor (torch's form).
-        group: Process group; the default group when None.
-        async_op: Torch's form only: return a work handle; the list is filled after its
-            ``wait()``.
+    The arguments: ``data`` / ``tensor`` is this rank's tensor (the dtype must be the same
+    on every rank); ``tensor_list`` one output tensor per rank; ``group`` the process group
+    (the default group when None); ``async_op`` (torch's form only) returns a work handle,
+    the list is filled after its ``wait()``.
 
     Raises:
         TypeError: The arguments fit neither form.
@@ -514,13 +511,10 @@ def gather(*args: Any, **kwargs: Any) -> Any:
       empty. Returns None, or a [`Work`][comm_collectives.Work] handle with
       ``async_op=True``.
 
-    Args:
-        data: This rank's tensor (MMEngine's form); dtype must be the same on every rank.
-        tensor: This rank's tensor (torch's form).
-        gather_list: On ``dst`` one output tensor per rank (torch's form).
-        dst: Receiving rank (in ``group``).
-        group: Process group; the default group when None.
-        async_op: Torch's form only: return a work handle.
+    The arguments: ``data`` / ``tensor`` is this rank's tensor (the dtype must be the same
+    on every rank); ``gather_list`` on ``dst`` one output tensor per rank; ``dst`` the
+    receiving rank (in ``group``); ``group`` the process group (the default group when
+    None); ``async_op`` (torch's form only) returns a work handle.
 
     Raises:
         TypeError: The arguments fit neither form.
