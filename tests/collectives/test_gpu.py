@@ -67,3 +67,54 @@ def test_nccl_headers_travel_on_the_cpu_and_the_data_stays_on_the_device(
         assert r["gathered_device"] == ["cuda"]
         if rank == 0:  # collect_results interleaves the ranks' parts
             assert r["results"] == [q * 10 + i for i in range(3) for q in range(world)]
+
+
+def torch_primitives_on_cuda() -> dict[str, Any]:
+    import torch.distributed as torch_dist
+
+    import comm_collectives as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    t = torch.full((4,), float(rank + 1), device="cuda")
+    dist.reduce(t, dst=0)
+    out["reduce"] = t.tolist()
+    lists = [torch.zeros(2, device="cuda") for _ in range(world)]
+    dist.all_gather(lists, torch.full((2,), float(rank), device="cuda"))
+    out["all_gather"] = [x.tolist() for x in lists]
+    glist = [torch.zeros(2, device="cuda") for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank), device="cuda"), glist, 0)
+    out["gather"] = None if glist is None else [x.tolist() for x in glist]
+    chunk = torch.zeros(3, device="cuda")
+    parts = [torch.full((3,), float(k), device="cuda") for k in range(world)]
+    dist.scatter(chunk, parts if rank == 0 else None, src=0)
+    out["scatter"] = chunk.tolist()
+    big = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    work = dist.all_reduce(big, async_op=True)
+    assert work is not None
+    work.wait(timeout=60.0)
+    out["async"] = big[:2].tolist()
+    if world > 1:
+        box = torch.zeros(3, device="cuda")
+        if rank == 0:
+            dist.send(torch.full((3,), 5.0, device="cuda"), 1)
+        elif rank == 1:
+            out["source"] = dist.recv(box, None)
+        out["recv"] = box.tolist()
+    dist.barrier()
+    out["device"] = str(torch_dist.get_backend())
+    return out
+
+
+def test_torch_primitives_on_cuda(nccl_world: WorldPool) -> None:
+    world = nccl_world.world_size
+    total = float(sum(r + 1 for r in range(world)))
+    for rank, r in enumerate(nccl_world.run(torch_primitives_on_cuda)):
+        assert r["reduce"] == ([total] * 4 if rank == 0 else [float(rank + 1)] * 4)
+        assert r["all_gather"] == [[float(k)] * 2 for k in range(world)]
+        assert r["gather"] == ([[float(k)] * 2 for k in range(world)] if rank == 0 else None)
+        assert r["scatter"] == [float(rank)] * 3
+        assert r["async"] == [total, total]
+        if world > 1 and rank == 1:
+            assert r["recv"] == [5.0] * 3
+            assert r["source"] == 0

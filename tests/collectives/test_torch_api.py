@@ -327,3 +327,39 @@ def test_torch_primitives_in_a_world_of_one() -> None:
         dist.all_gather([torch.zeros(2)])  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="positive, finite number of seconds"):
         work.wait(timeout=-1)
+
+
+def unchecked_cases() -> dict[str, Any]:
+    """The backend's own calls inside unchecked(): the same values, async handles too."""
+    rank = dist.get_rank()
+    with dist.unchecked():
+        t = _data(rank, 3000)
+        work = dist.all_reduce(t, async_op=True)
+        assert work is not None
+        work.wait()
+        mean = _data(rank)
+        dist.all_reduce(mean, op=torch_dist.ReduceOp.AVG, async_op=True).wait()  # type: ignore[union-attr]
+        r = _data(rank)
+        dist.reduce(r, dst=0, op="max")
+        ints = torch.tensor([2 * rank, 4])
+        dist.reduce(ints, 0, "mean")
+        b = _data(rank, 3)
+        dist.broadcast(b, src=1, async_op=True).wait()  # type: ignore[union-attr]
+        dist.barrier(async_op=True).wait()  # type: ignore[union-attr]
+    return {
+        "sum": t[:3].tolist(),
+        "mean": mean.tolist(),
+        "reduce": r.tolist(),
+        "ints": ints.tolist(),
+        "broadcast": b.tolist(),
+    }
+
+
+def test_unchecked_calls_give_the_same_values(comm_run_distributed: Any) -> None:
+    results = comm_run_distributed(unchecked_cases, world_size=2)
+    for rank, r in enumerate(results):
+        assert r["sum"] == [3.0, 5.0, 7.0]  # (i + 1) + (i + 2)
+        assert r["mean"] == [1.5 + i for i in range(5)]
+        assert r["reduce"] == ([float(i + 2) for i in range(5)] if rank == 0 else _data(1).tolist())
+        assert r["ints"] == ([1, 4] if rank == 0 else [2, 4])
+        assert r["broadcast"] == [2.0, 3.0, 4.0]
