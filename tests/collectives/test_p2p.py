@@ -173,7 +173,7 @@ def test_point_to_point_in_a_plain_process() -> None:
         dist.send(torch.ones(1), 0)
     with pytest.raises(ValueError, match=r"src=1 is not a rank of the group \(0..0\)"):
         dist.recv(torch.ones(1), 1)
-    with pytest.raises(ValueError, match="tag must be a non-negative int"):
+    with pytest.raises(ValueError, match="tag must be an int in"):
         dist.isend(torch.ones(1), 0, tag=-1)
 
 

@@ -59,13 +59,18 @@ def _device_code(device: torch.device) -> int:
     return signature_of(["device", device.type])
 
 
+# comm's backend tags start here: a raw torch.distributed send with a small tag (torch's
+# own object calls use tag 0) never matches a comm header or data receive, nor the reverse
+_TAG_BASE = 1 << 24
+
+
 def _tags(tag: int) -> tuple[int, int]:
     """The backend tags of a call's header and its data: distinct, so a receive from any
     source never takes another message's data for a header."""
-    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        message = f"tag must be a non-negative int, got {tag!r}."
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < _TAG_BASE:
+        message = f"tag must be an int in [0, {_TAG_BASE}), got {tag!r}."
         raise ValueError(message)
-    return 2 * tag, 2 * tag + 1
+    return _TAG_BASE + 2 * tag, _TAG_BASE + 2 * tag + 1
 
 
 def _check_peer(
