@@ -193,3 +193,38 @@ def test_a_sender_killed_in_send_is_named_by_the_receiver(pool: WorldPool, tmp_p
     assert record["raised"] in ("RemoteRankError", "CommTimeoutError"), record
     assert record["ranks"] == [1], record
     assert record["seconds"] < BOUND_S, record
+
+
+def collective_wait_timeout_case() -> dict[str, Any]:
+    """Rank 0 waits with a timeout on an async barrier that rank 1 joins 1.5 s later."""
+    from comm_collectives import _faults
+
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(1.5)
+        dist.barrier()
+        return {}
+    saved = _faults._LIVENESS_WAIT_S
+    _faults._LIVENESS_WAIT_S = 0.5  # how long rank 1 gets to report alive
+    try:
+        work = dist.barrier(async_op=True)
+        assert work is not None
+        try:
+            work.wait(timeout=0.3)
+            first = ("", "")
+        except CommTimeoutError as exc:
+            first = (type(exc).__name__, str(exc))
+        completed_early = work.is_completed()
+        return {"first": first, "early": completed_early, "later": work.wait(timeout=30.0)}
+    finally:
+        _faults._LIVENESS_WAIT_S = saved
+
+
+def test_an_expired_wait_on_a_collective_names_the_silent_rank(pool: WorldPool) -> None:
+    r = pool.run(collective_wait_timeout_case)[0]
+    name, message = r["first"]
+    assert name == "CommTimeoutError", message
+    assert "barrier (async) on rank 0 of 2: wait timed out" in message
+    assert "Rank(s) 1 did not report alive" in message
+    assert r["early"] is False
+    assert r["later"] is True
