@@ -1,4 +1,4 @@
-"""comm-strategies: Single / DDP / FSDP / DeepSpeed strategies for any training loop.
+"""comm-strategies: single, DDP, FSDP, DeepSpeed and model-parallel strategies for any loop.
 
 Examples:
     >>> import torch
@@ -15,6 +15,7 @@ from .base import Strategy
 from .ddp import DDPStrategy
 from .deepspeed import DeepSpeedStrategy
 from .fsdp import FSDPStrategy
+from .model_parallel import ModelParallelStrategy
 from .registry import ENTRY_POINT_GROUP, available_strategies, build_strategy, register_strategy
 from .single import SingleDeviceStrategy
 
@@ -23,6 +24,7 @@ __all__ = [
     "DDPStrategy",
     "DeepSpeedStrategy",
     "FSDPStrategy",
+    "ModelParallelStrategy",
     "SingleDeviceStrategy",
     "Strategy",
     "__version__",

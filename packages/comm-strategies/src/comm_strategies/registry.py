@@ -20,6 +20,7 @@ from .base import Strategy
 from .ddp import DDPStrategy
 from .deepspeed import DeepSpeedStrategy
 from .fsdp import FSDPStrategy
+from .model_parallel import ModelParallelStrategy
 from .single import SingleDeviceStrategy
 
 __all__ = [
@@ -88,13 +89,20 @@ def register_strategy(
     return strategy
 
 
-for _cls in (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, DeepSpeedStrategy):
+for _cls in (
+    SingleDeviceStrategy,
+    DDPStrategy,
+    FSDPStrategy,
+    DeepSpeedStrategy,
+    ModelParallelStrategy,
+):
     register_strategy(_cls.__name__, _cls)
 register_strategy("single", SingleDeviceStrategy)
 register_strategy("ddp", DDPStrategy)
 register_strategy("fsdp", FSDPStrategy, fsdp_version=1)
 register_strategy("fsdp2", FSDPStrategy, fsdp_version=2)
 register_strategy("deepspeed", DeepSpeedStrategy)
+register_strategy("model_parallel", ModelParallelStrategy)
 
 
 def _entry_points() -> list[metadata.EntryPoint]:
@@ -122,8 +130,8 @@ def available_strategies() -> list[str]:
     Entry points are listed by name and not imported.
 
     Examples:
-        >>> [name for name in available_strategies() if name.islower()][:5]
-        ['ddp', 'deepspeed', 'fsdp', 'fsdp2', 'single']
+        >>> [name for name in available_strategies() if name.islower()][:6]
+        ['ddp', 'deepspeed', 'fsdp', 'fsdp2', 'model_parallel', 'single']
     """
     return sorted(set(_REGISTRY) | {point.name for point in _entry_points()})
 

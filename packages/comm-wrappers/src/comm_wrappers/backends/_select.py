@@ -12,6 +12,7 @@ from .._registry import _fsdp2_module_type
 from ._base import Backend
 from ._ddp import DDPBackend
 from ._deepspeed import DeepSpeedBackend, engine_of
+from ._dtensor import DTensorBackend, is_dtensor_model
 from ._fsdp1 import FSDP1Backend
 from ._fsdp2 import FSDP2Backend
 
@@ -23,7 +24,8 @@ def backend_of(model: Any) -> Backend:
 
     In this order: a DeepSpeed engine (or a wrapper holding one, such as
     ``MMDeepSpeedEngineWrapper``), FSDP1 (a ``FullyShardedDataParallel`` in the module
-    tree), FSDP2 (a module sharded with ``fully_shard`` in the tree), DDP (a
+    tree), DTensor parameters on an N-D mesh or on several meshes (tensor parallel, FSDP2 +
+    tensor parallel, HSDP), FSDP2 (a module sharded with ``fully_shard`` in the tree), DDP (a
     ``DistributedDataParallel`` in the tree: also separate DDP's children), else a plain
     module. Nothing is cached: callers keep the adapter for the model if they like.
 
@@ -32,8 +34,8 @@ def backend_of(model: Any) -> Backend:
             DeepSpeed wrapper.
 
     Returns:
-        A `Backend` whose ``kind`` is ``"module"``, ``"ddp"``, ``"fsdp1"``, ``"fsdp2"`` or
-        ``"deepspeed"``.
+        A `Backend` whose ``kind`` is ``"module"``, ``"ddp"``, ``"fsdp1"``, ``"fsdp2"``,
+        ``"dtensor"`` or ``"deepspeed"``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -60,6 +62,8 @@ def backend_of(model: Any) -> Backend:
             return FSDP1Backend(model)
         sharded = sharded or (fsdp2 is not None and isinstance(module, fsdp2))
         ddp = ddp or isinstance(module, DistributedDataParallel)
+    if (sharded or not ddp) and is_dtensor_model(model):
+        return DTensorBackend(model)
     if sharded:
         return FSDP2Backend(model)
     return DDPBackend(model) if ddp else Backend(model)
