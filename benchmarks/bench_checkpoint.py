@@ -16,6 +16,12 @@ A sample is one save or one load, timed by the slowest rank; the order of ``raw`
 ``comm`` alternates from one repeat to the next, and each ratio is the median over the
 repeats of the ratio of the two samples taken in the same repeat.
 
+Async save, in the same world: the time the training loop is blocked by
+``save_checkpoint(..., async_save=True)`` (from the call to its return: the CPU copy) over
+the time of a synchronous ``save_checkpoint`` of the same model and AdamW state, for DDP
+(full files) and FSDP2 (DCP); the target is at most 0.2x. The background writes are
+waited for before the next sample and timed too (call to ``wait()``'s return).
+
 Memory, in a world of its own with glibc's mmap threshold at 128 KiB (freed blocks leave
 the resident set): the peak RSS growth of rank 0 while it saves a full (``sharded=False``)
 checkpoint of the model alone, sharded by FSDP2 and by FSDP1, over the model's size, and
@@ -189,6 +195,58 @@ def case_deepspeed(width: int, depth: int, folder: Path) -> dict[str, Op]:
 CASES = {"DDP (full file)": case_ddp, "FSDP2 (DCP)": case_fsdp2, "DeepSpeed ZeRO 2": case_deepspeed}
 
 
+def async_cases(width: int, depth: int) -> dict[str, tuple[Any, Any, str]]:
+    """The models of the async rows: (model, optimizer, strategy name), one step taken."""
+    from comm_wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel2
+
+    cases: dict[str, tuple[Any, Any, str]] = {}
+    for name, wrapper, strategy in (
+        ("DDP (full file)", MMDistributedDataParallel, "ddp"),
+        ("FSDP2 (DCP)", MMFullyShardedDataParallel2, "fsdp2"),
+    ):
+        model = wrapper(make_mlp(width, depth))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        one_step(model, optimizer, width)
+        cases[name] = (model, optimizer, strategy)
+    return cases
+
+
+def time_async(settings: dict[str, Any], folder: Path) -> dict[str, dict[str, list[float]]]:
+    """Per case: the synchronous save, the time an async save blocks, and its whole time."""
+    from comm_strategies.checkpoint import save_checkpoint
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for case, (model, optimizer, strategy) in async_cases(
+        settings["async_width"], settings["async_depth"]
+    ).items():
+        samples: dict[str, list[float]] = {"sync": [], "blocked": [], "async total": []}
+        for repeat in range(settings["warmup"] + settings["repeats"]):
+            for who in ["sync", "async"] if repeat % 2 == 0 else ["async", "sync"]:
+                barrier()
+                start = time.perf_counter()
+                if who == "sync":
+                    save_checkpoint(
+                        folder / "sync", model=model, optim_wrapper=optimizer, strategy=strategy
+                    )
+                    times = {"sync": time.perf_counter() - start}
+                else:
+                    handle = save_checkpoint(
+                        folder / "async", model=model, optim_wrapper=optimizer,
+                        strategy=strategy, async_save=True,
+                    )  # fmt: skip
+                    blocked = time.perf_counter() - start
+                    handle.wait()
+                    times = {"blocked": blocked, "async total": time.perf_counter() - start}
+                for name, seconds in times.items():
+                    seconds = slowest(seconds)
+                    if repeat >= settings["warmup"]:
+                        samples[name].append(seconds)
+        out[case] = samples
+        del model, optimizer
+        barrier()
+    return out
+
+
 # ---------------------------------------------------------------- one rank
 def time_rank(settings: dict[str, Any], skipped: dict[str, str]) -> dict[str, Any]:
     torch.set_num_threads(1)
@@ -219,6 +277,8 @@ def time_rank(settings: dict[str, Any], skipped: dict[str, str]) -> dict[str, An
                         samples[f"{who} {action}"].append(elapsed)
         out[case] = samples
         barrier()
+    barrier()
+    out["async"] = time_async(settings, folder)
     barrier()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
@@ -307,6 +367,24 @@ def markdown(result: dict[str, Any]) -> str:
             )
     for what, reason in result["skipped"].items():
         lines.append(f"| {what} | skipped: {reason} | | | |")
+    asynchronous = result.get("async", {})
+    if asynchronous:
+        mib_async = result["async_model_bytes"] / 2**20
+        lines += [
+            "",
+            f"Async save of a {mib_async:.1f} MiB model (+ AdamW state): the time the loop is "
+            "blocked by `save_checkpoint(..., async_save=True)` vs a synchronous save "
+            "(target: at most 0.2x).",
+            "",
+            "| engine | sync save (ms) | async: blocked (ms) | blocked / sync "
+            "| async: until wait() returns (ms) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for case, row in asynchronous.items():
+            lines.append(
+                f"| {case} | {row['sync_ms']:.1f} | {row['blocked_ms']:.1f} | "
+                f"{row['ratio']:.2f}x | {row['total_ms']:.1f} |"
+            )
     lines += [
         "",
         "| full save of an FSDP model (rank 0) | model size (MiB) | peak RSS growth (MiB) "
@@ -342,6 +420,9 @@ def main() -> int:
         "width": 256 if args.smoke else 2048,
         "depth": 2 if args.smoke else 4,
         "memory_rounds": 1 if args.smoke else 3,
+        # 4 x Linear(2048, 2048): 64 MiB of fp32 parameters
+        "async_width": 256 if args.smoke else 2048,
+        "async_depth": 2 if args.smoke else 4,
     }
     env = rank_env()
     skipped = {}
@@ -353,6 +434,7 @@ def main() -> int:
 
     started = time.perf_counter()
     samples = launch(time_rank, settings, skipped, nprocs=2, timeout=1800, env=env)[0]
+    async_samples = samples.pop("async")
     timing = {
         case: {action: summary(values, action) for action in ("save", "load")}
         for case, values in samples.items()
@@ -362,6 +444,20 @@ def main() -> int:
         "skipped": skipped,
         "timing": timing,
         "model_bytes": model_bytes(make_mlp(settings["width"], settings["depth"])),
+        "async": {
+            case: {
+                "sync_ms": statistics.median(values["sync"]) * 1e3,
+                "blocked_ms": statistics.median(values["blocked"]) * 1e3,
+                "total_ms": statistics.median(values["async total"]) * 1e3,
+                "ratio": statistics.median(
+                    b / s for b, s in zip(values["blocked"], values["sync"])
+                ),
+            }
+            for case, values in async_samples.items()
+        },
+        "async_model_bytes": model_bytes(
+            make_mlp(settings["async_width"], settings["async_depth"])
+        ),
         "versions": {"torch": torch.__version__},
     }
     if os.path.exists("/proc/self/clear_refs"):

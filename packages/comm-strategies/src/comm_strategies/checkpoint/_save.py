@@ -305,14 +305,14 @@ def _start_async(
         state = sharded_state(backend, optimizers)
         with quiet_torch():  # the shapes of the state written (global shapes of shards)
             params = describe_params(state["model"])
-        staged = attempts.run(_async.stage, state, what="a CPU copy of the state")
+        staged = attempts.run(_async.stage, state, "dcp", what="a CPU copy of the state")
         del state
     else:  # "full": gathered to rank 0 (collective), copied there
         leader = dist.get_rank() == 0
         state = backend.model_state(full=True, rank0_only=True)
         if leader:
             params = describe_params(state)
-            model = attempts.run(_async.stage, state, what="a CPU copy of the model state")
+            model = attempts.run(_async.stage, state, "model", what="a CPU copy of the model")
             staged = {"model": model}
         del state
         if optimizers:
@@ -322,7 +322,7 @@ def _start_async(
             }
             if leader and staged is not None:
                 staged["optim"] = attempts.run(
-                    _async.stage, states, what="a CPU copy of the optimizer state"
+                    _async.stage, states, "optim", what="a CPU copy of the optimizer state"
                 )
             del states
     files, scalers = _side_files(temporary, *side)
