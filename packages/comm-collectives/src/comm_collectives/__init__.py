@@ -31,6 +31,8 @@ from .rooted import reduce, scatter
 from .tensors import all_gather, all_reduce, broadcast, gather, sync_random_seed
 from .work import Work
 
+Work.__module__ = __name__  # reprs and docs show the public path
+
 __all__ = [
     *[name for name in _core_all if name not in ("__version__", "barrier")],
     "Work",
