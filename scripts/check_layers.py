@@ -22,6 +22,8 @@ OPTIONAL = {
     # NumPy's generator state is saved in checkpoints when NumPy is installed.
     ("comm_strategies", "comm_strategies/checkpoint/_rng.py", "numpy"),
     ("comm_strategies", "comm_strategies/integrations/mmengine.py", "mmengine"),
+    ("comm_strategies", "comm_strategies/integrations/_mmengine_runner.py", "mmengine"),
+    ("comm_strategies", "comm_strategies/integrations/_mmengine_state.py", "mmengine"),
 }
 
 

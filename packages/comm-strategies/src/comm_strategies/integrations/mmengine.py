@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mmengine.logging import HistoryBuffer, MMLogger
+from mmengine.logging import MMLogger
 from mmengine.registry import MODELS, PARAM_SCHEDULERS, STRATEGIES
 
 import comm_collectives as dist
@@ -41,63 +41,34 @@ from ..ddp import DDPStrategy
 from ..deepspeed import DeepSpeedStrategy
 from ..fsdp import FSDPStrategy
 from ..single import SingleDeviceStrategy
+from ._mmengine_runner import (
+    CommDistributedDataParallel,
+    CommFullyShardedDataParallel,
+    CommFullyShardedDataParallel2,
+    CommRunnerHook,
+    CommSeparateDistributedDataParallel,
+    _register,
+    comm_wrappers_in_use,
+    use_comm_wrappers,
+)
+from ._mmengine_state import decode_message_hub as _decode_message_hub
+from ._mmengine_state import encode_message_hub as _encode_message_hub
+from ._mmengine_state import plain as _plain
 
 __all__ = [
     "CommDDPStrategy",
     "CommDeepSpeedStrategy",
+    "CommDistributedDataParallel",
     "CommFSDPStrategy",
+    "CommFullyShardedDataParallel",
+    "CommFullyShardedDataParallel2",
+    "CommRunnerHook",
+    "CommSeparateDistributedDataParallel",
     "CommSingleDeviceStrategy",
     "MMEngineStrategyMixin",
+    "comm_wrappers_in_use",
+    "use_comm_wrappers",
 ]
-
-
-def _encode_message_hub(state: Any) -> Any:
-    """Turn MessageHub's HistoryBuffers into plain lists (loadable with weights_only)."""
-    if not isinstance(state, Mapping) or "log_scalars" not in state:
-        return state
-    out = dict(state)
-    out["log_scalars"] = {
-        key: {
-            "__history_buffer__": True,
-            "log": [float(v) for v in getattr(buffer, "_log_history", [])],
-            "count": [int(v) for v in getattr(buffer, "_count_history", [])],
-            "max_length": int(getattr(buffer, "max_length", 1000000)),
-        }
-        for key, buffer in state["log_scalars"].items()
-    }
-    return out
-
-
-def _plain(value: Any) -> Any:
-    """Numpy scalars and arrays (MessageHub's runtime info) as Python values and tensors.
-
-    Our checkpoint files load with ``weights_only=True``, which refuses numpy objects.
-    """
-    kind = type(value).__module__
-    if kind == "numpy" or kind.startswith("numpy."):
-        if hasattr(value, "shape") and getattr(value, "ndim", 0) > 0:
-            return torch.from_numpy(value.copy())
-        if hasattr(value, "item"):
-            return value.item()
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(item) for item in value)
-    return value
-
-
-def _decode_message_hub(state: Any) -> Any:
-    if not isinstance(state, Mapping) or "log_scalars" not in state:
-        return state
-    out = dict(state)
-    scalars = {}
-    for key, value in state["log_scalars"].items():
-        if isinstance(value, Mapping) and value.get("__history_buffer__"):
-            scalars[key] = HistoryBuffer(value["log"], value["count"], value["max_length"])
-        else:
-            scalars[key] = value
-    out["log_scalars"] = scalars
-    return out
 
 
 class MMEngineStrategyMixin(Strategy):
@@ -374,3 +345,4 @@ for _adapter in (
     CommDeepSpeedStrategy,
 ):
     STRATEGIES.register_module(module=_adapter, force=True)
+_register()  # comm's wrappers in MODEL_WRAPPERS, for the classic Runner

@@ -1,0 +1,486 @@
+"""comm's model wrappers in MMEngine's classic ``Runner`` (``MODEL_WRAPPERS``).
+
+Imported by ``comm_strategies.integrations.mmengine``; only with MMEngine installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS, MODEL_WRAPPERS, Registry
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
+
+import comm_collectives as dist
+from comm_wrappers import (
+    MMDistributedDataParallel,
+    MMFullyShardedDataParallel,
+    MMFullyShardedDataParallel2,
+    MMSeparateDistributedDataParallel,
+    register_model_wrapper,
+)
+
+from ._mmengine_state import decode_message_hub, encode_message_hub, plain
+
+__all__ = [
+    "CommDistributedDataParallel",
+    "CommFullyShardedDataParallel",
+    "CommFullyShardedDataParallel2",
+    "CommRunnerHook",
+    "CommSeparateDistributedDataParallel",
+    "comm_wrappers_in_use",
+    "use_comm_wrappers",
+]
+
+
+def _module_on_cpu(module: nn.Module) -> bool:
+    for parameter in module.parameters():
+        return parameter.device.type == "cpu"
+    for buffer in module.buffers():
+        return buffer.device.type == "cpu"
+    return True
+
+
+def _without_cpu_device_ids(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Drop ``device_ids`` / ``output_device`` for a module on the CPU.
+
+    MMEngine's ``Runner`` passes ``device_ids=[LOCAL_RANK]`` to every DDP subclass it
+    builds, which torch refuses for a CPU module; a CPU module takes none.
+    """
+    if _module_on_cpu(module):
+        kwargs = dict(kwargs)
+        kwargs.pop("device_ids", None)
+        kwargs.pop("output_device", None)
+        kwargs["device_ids"] = None
+    return kwargs
+
+
+class CommDistributedDataParallel(MMDistributedDataParallel):
+    """comm's `MMDistributedDataParallel` as MMEngine's ``Runner`` builds it.
+
+    The same wrapper; ``device_ids`` (which the runner passes as ``[LOCAL_RANK]``) is
+    dropped for a module on the CPU, so a config runs under gloo.
+
+    Args:
+        module: The model.
+        detect_anomalous_params: See `MMDistributedDataParallel`.
+        **ddp_kwargs: ``DistributedDataParallel`` keywords.
+    """
+
+    def __init__(
+        self, module: nn.Module, detect_anomalous_params: bool = False, **ddp_kwargs: Any
+    ) -> None:
+        super().__init__(
+            module,
+            detect_anomalous_params=detect_anomalous_params,
+            **_without_cpu_device_ids(module, ddp_kwargs),
+        )
+
+
+class CommSeparateDistributedDataParallel(MMSeparateDistributedDataParallel):
+    """comm's `MMSeparateDistributedDataParallel` as MMEngine's ``Runner`` builds it.
+
+    ``device_ids`` is dropped for a module on the CPU (each child's DDP takes none there).
+
+    Args:
+        module: The model; its direct children are wrapped.
+        broadcast_buffers: See `MMSeparateDistributedDataParallel`.
+        find_unused_parameters: Passed to each child's DDP.
+        **kwargs: Other DDP keywords.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        broadcast_buffers: bool = False,
+        find_unused_parameters: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        kwargs = _without_cpu_device_ids(module, kwargs)
+        if kwargs.get("device_ids", 0) is None:
+            kwargs.pop("device_ids")
+        super().__init__(
+            module,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+            **kwargs,
+        )
+
+
+def _init_before_sharding(module: nn.Module) -> None:
+    """Run the model's ``init_weights`` and make rank 0's values everyone's, before sharding.
+
+    The ``Runner`` calls ``init_weights`` after wrapping and then broadcasts each tensor of
+    ``model.module.state_dict()``: on shards of different sizes per rank. `CommRunnerHook`
+    skips that step for sharded wrappers; it happens here instead, on the whole model.
+    """
+    init = getattr(module, "init_weights", None)
+    if callable(init) and not getattr(module, "is_init", False):
+        init()
+    for tensor in [*module.parameters(), *module.buffers()]:
+        with torch.no_grad():
+            dist.broadcast(tensor, src=0)
+
+
+class CommFullyShardedDataParallel2(MMFullyShardedDataParallel2):
+    """comm's FSDP2 wrapper (`MMFullyShardedDataParallel2`) registered for the ``Runner``.
+
+    Built by ``dict(type="CommFullyShardedDataParallel", fsdp_version=2, ...)``. The
+    model's ``init_weights`` runs before sharding, and rank 0's values are broadcast.
+    """
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        _init_before_sharding(module)
+        super().__init__(module, **kwargs)
+
+
+class CommFullyShardedDataParallel(MMFullyShardedDataParallel):
+    """comm's FSDP for MMEngine's ``Runner``: FSDP1, or FSDP2 with ``fsdp_version=2``.
+
+    ``fsdp_version=1`` (the default) builds this class (comm's `MMFullyShardedDataParallel`,
+    torch's ``FullyShardedDataParallel``); ``fsdp_version=2`` builds a
+    `CommFullyShardedDataParallel2` (``fully_shard``), with the same option forms. The
+    model's ``init_weights`` runs before sharding, and rank 0's values are broadcast.
+
+    Args:
+        module: The model.
+        fsdp_version: 1 or 2.
+        **kwargs: The chosen wrapper's options (``sharding_strategy``,
+            ``auto_wrap_policy``, ``mixed_precision``, ...).
+
+    Raises:
+        ValueError: ``fsdp_version`` is neither 1 nor 2.
+    """
+
+    def __new__(cls, module: nn.Module, fsdp_version: int = 1, **kwargs: Any) -> Any:
+        if fsdp_version not in (1, 2) or isinstance(fsdp_version, bool):
+            message = f"fsdp_version must be 1 or 2, got {fsdp_version!r}"
+            raise ValueError(message)
+        if fsdp_version == 2:
+            return CommFullyShardedDataParallel2(module, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, module: nn.Module, fsdp_version: int = 1, **kwargs: Any) -> None:
+        _init_before_sharding(module)
+        super().__init__(module, **kwargs)
+
+
+_CLASSES: dict[str, type] = {
+    "CommDistributedDataParallel": CommDistributedDataParallel,
+    "CommSeparateDistributedDataParallel": CommSeparateDistributedDataParallel,
+    "CommFullyShardedDataParallel": CommFullyShardedDataParallel,
+    "CommFullyShardedDataParallel2": CommFullyShardedDataParallel2,
+}
+
+# MMEngine's own names, and comm's class each resolves to under `use_comm_wrappers`.
+_MMENGINE_NAMES: dict[str, type] = {
+    "MMDistributedDataParallel": CommDistributedDataParallel,
+    "MMSeparateDistributedDataParallel": CommSeparateDistributedDataParallel,
+    "MMFullyShardedDataParallel": CommFullyShardedDataParallel,
+}
+
+# comm's base wrappers, for MMEngine's ``is_model_wrapper``: kept in a child registry
+# (scope ``comm``: ``type="comm.MMDistributedDataParallel"`` names them in a config), so
+# the names MMEngine's own registry holds stay as they are.
+_COMM_SCOPE = "comm"
+
+
+def _comm_registry() -> Registry:
+    child = MODEL_WRAPPERS.children.get(_COMM_SCOPE)
+    if child is None:
+        child = Registry("model_wrapper", parent=MODEL_WRAPPERS, scope=_COMM_SCOPE)
+    return child
+
+
+def _register() -> None:
+    for name, wrapper in _CLASSES.items():
+        MODEL_WRAPPERS.register_module(name=name, module=wrapper, force=True)
+    bases: list[type] = [
+        MMDistributedDataParallel,
+        MMSeparateDistributedDataParallel,
+        MMFullyShardedDataParallel,
+        MMFullyShardedDataParallel2,
+    ]
+    # The DeepSpeed wrapper when its module is imported already (importing DeepSpeed is
+    # slow, and none of its wrappers can exist before).
+    deepspeed_wrapper = getattr(
+        sys.modules.get("comm_wrappers.deepspeed"), "MMDeepSpeedEngineWrapper", None
+    )
+    if isinstance(deepspeed_wrapper, type):
+        bases.append(deepspeed_wrapper)
+    child = _comm_registry()
+    for wrapper in bases:
+        child.register_module(name=wrapper.__name__, module=wrapper, force=True)
+    _bridge_mmengine_wrappers()
+
+
+def _unwrap_mmengine(wrapper: Any) -> Any:
+    # MMEngine's wrappers hold the model as ``module``; its DeepSpeed one as ``model``.
+    inner = getattr(wrapper, "module", None)
+    return wrapper.model if inner is None and hasattr(wrapper, "model") else inner
+
+
+def _bridge_mmengine_wrappers() -> None:
+    """Make comm's ``is_model_wrapper`` know every class in MMEngine's ``MODEL_WRAPPERS``."""
+    registries = [MODEL_WRAPPERS, *MODEL_WRAPPERS.children.values()]
+    for registry in registries:
+        for wrapper in registry.module_dict.values():
+            if not isinstance(wrapper, type) or issubclass(wrapper, _TORCH_WRAPPERS):
+                continue  # torch's wrappers (and subclasses) are comm built-ins already
+            try:
+                register_model_wrapper(wrapper, _unwrap_mmengine)
+            except ValueError:  # registered already
+                pass
+
+
+_TORCH_WRAPPERS = (DistributedDataParallel, nn.DataParallel, FullyShardedDataParallel)
+
+
+_saved: dict[str, Any] | None = None
+
+
+def comm_wrappers_in_use() -> bool:
+    """Return whether `use_comm_wrappers` is on."""
+    return _saved is not None
+
+
+def use_comm_wrappers(enable: bool = True) -> None:
+    """Make MMEngine's own wrapper names build comm's wrappers (opt-in; reversible).
+
+    With it on, ``MMDistributedDataParallel``, ``MMSeparateDistributedDataParallel`` and
+    ``MMFullyShardedDataParallel`` in MMEngine's ``MODEL_WRAPPERS`` resolve to
+    `CommDistributedDataParallel`, `CommSeparateDistributedDataParallel` and
+    `CommFullyShardedDataParallel`, and the ``Runner``'s default wrapper (used when a
+    config has no ``model_wrapper_cfg``) is `CommDistributedDataParallel`: an existing
+    config runs on the CPU (gloo) and gets comm's behaviour. MMEngine's own classes stay
+    registered (under ``comm`` scope names ``mmengine_<name>``) so its
+    ``is_model_wrapper`` still knows models wrapped before. ``use_comm_wrappers(False)``
+    puts back exactly what was there. Nothing changes in MMEngine unless this is called.
+
+    Args:
+        enable: Turn the opt-in on (True) or off (False). Repeating a state is a no-op.
+
+    Examples:
+        >>> from comm_strategies.integrations.mmengine import use_comm_wrappers
+        >>> use_comm_wrappers()
+        >>> from mmengine.registry import MODEL_WRAPPERS
+        >>> MODEL_WRAPPERS.get("MMDistributedDataParallel").__name__
+        'CommDistributedDataParallel'
+        >>> use_comm_wrappers(False)
+        >>> MODEL_WRAPPERS.get("MMDistributedDataParallel").__module__
+        'mmengine.model.wrappers.distributed'
+    """
+    global _saved
+    import mmengine.runner.runner as runner_module
+
+    if enable and _saved is None:
+        saved: dict[str, Any] = {
+            "registry": {name: MODEL_WRAPPERS.module_dict.get(name) for name in _MMENGINE_NAMES},
+            "default": runner_module.MMDistributedDataParallel,
+        }
+        child = _comm_registry()
+        for name, original in saved["registry"].items():
+            if original is not None:
+                child.register_module(name=f"mmengine_{name}", module=original, force=True)
+        for name, wrapper in _MMENGINE_NAMES.items():
+            MODEL_WRAPPERS.register_module(name=name, module=wrapper, force=True)
+        runner_module.MMDistributedDataParallel = CommDistributedDataParallel
+        _saved = saved
+    elif not enable and _saved is not None:
+        for name, original in _saved["registry"].items():
+            if original is None:
+                MODEL_WRAPPERS.module_dict.pop(name, None)
+            else:
+                MODEL_WRAPPERS.register_module(name=name, module=original, force=True)
+            _comm_registry().module_dict.pop(f"mmengine_{name}", None)
+        runner_module.MMDistributedDataParallel = _saved["default"]
+        _saved = None
+
+
+def _sharded_root(model: Any) -> nn.Module | None:
+    """The module torch's state-dict API takes for a sharded wrapper; None for others."""
+    if isinstance(model, FullyShardedDataParallel):
+        return model
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return None
+    for candidate in (model, getattr(model, "module", None)):
+        if isinstance(candidate, FSDPModule):
+            return candidate  # type: ignore[return-value]
+    return None
+
+
+def _is_full_optimizer_state(state: Any) -> bool:
+    """Whether an optimizer state names its parameters (torch's full state) instead of ids."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list) or not groups:
+        return False
+    return all(
+        isinstance(name, str) for group in groups for name in group.get("params", [])
+    )
+
+
+@HOOKS.register_module()
+class CommRunnerHook(Hook):  # type: ignore[misc]
+    """What comm's wrappers need from MMEngine's classic ``Runner``, beside ``CheckpointHook``.
+
+    Add it with ``custom_hooks=[dict(type="CommRunnerHook")]``. It does two things:
+
+    - Checkpoints load with ``torch.load(weights_only=True)``: the runner's message hub
+      (``HistoryBuffer`` objects, numpy values) is written as plain lists and numbers and
+      read back. Without it, MMEngine 0.10.7's own resume fails on torch >= 2.6, whose
+      ``torch.load`` refuses those classes.
+    - Sharded wrappers (`CommFullyShardedDataParallel`, FSDP1 or FSDP2) save and resume
+      full state. The ``Runner`` saves on rank 0 alone (``save_checkpoint`` is
+      ``master_only``), where only rank 0's shard exists: with this hook every rank first
+      gathers the full model and optimizer state (torch's
+      ``torch.distributed.checkpoint.state_dict``), rank 0 writes it under the usual
+      ``state_dict`` / ``optimizer`` keys, and a resume loads it back into each rank's
+      shards, so training goes on as if it had never stopped.
+
+    Args:
+        priority: The hook's priority (default ``"LOWEST"``: it encodes what the other
+            hooks added to the checkpoint).
+    """
+
+    priority = "LOWEST"
+
+    def __init__(self) -> None:
+        self._full: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+
+    def before_run(self, runner: Any) -> None:
+        """Make the runner's ``save_checkpoint`` gather sharded state on every rank first."""
+        if _sharded_root(runner.model) is None or getattr(runner, "_comm_saves_full", False):
+            return
+        # The wrapper ran init_weights before sharding; the runner's own step broadcasts
+        # the tensors of model.module.state_dict(), shards of different sizes per rank.
+        runner._init_model_weights = lambda: None
+        original = runner.save_checkpoint
+        parameters = inspect.signature(original).parameters
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            bound = inspect.Signature(list(parameters.values())).bind_partial(*args, **kwargs)
+            save_optimizer = bool(bound.arguments.get("save_optimizer", True))
+            self._full = self._gather(runner, save_optimizer)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._full = None
+
+        # On this runner object only: MMEngine's class is not changed.
+        runner.save_checkpoint = save_checkpoint
+        runner._comm_saves_full = True
+
+    @staticmethod
+    def _gather(runner: Any, save_optimizer: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        root = _sharded_root(runner.model)
+        if root is None:
+            message = "CommRunnerHook gathers the state of sharded wrappers only"
+            raise TypeError(message)
+        options = StateDictOptions(full_state_dict=True)
+        model_state = get_model_state_dict(root, options=options)
+        optim_state = None
+        optimizer = getattr(runner.optim_wrapper, "optimizer", None)
+        if save_optimizer and isinstance(optimizer, torch.optim.Optimizer):
+            optim_state = get_optimizer_state_dict(root, optimizer, options=options)
+        return model_state, optim_state
+
+    def before_save_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
+        """Put the gathered full state in; make the rest loadable with ``weights_only``."""
+        if self._full is not None:
+            model_state, optim_state = self._full
+            checkpoint["state_dict"] = {k: v.detach().cpu() for k, v in model_state.items()}
+            if "optimizer" in checkpoint and optim_state is not None:
+                checkpoint["optimizer"] = _tensors_to_cpu(optim_state)
+        elif isinstance(runner.model, MMSeparateDistributedDataParallel):
+            # Each child is a DDP: its names carry ``.module.``, which MMEngine's loader
+            # (unwrapping the children) does not expect. Save the user's names.
+            checkpoint["state_dict"] = _without_child_wrappers(
+                runner.model.module, checkpoint.get("state_dict", {})
+            )
+        if "message_hub" in checkpoint:
+            checkpoint["message_hub"] = encode_message_hub(checkpoint["message_hub"])
+        for key in list(checkpoint):
+            checkpoint[key] = plain(checkpoint[key])
+
+    def after_load_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
+        """Read the message hub back; load full state into a sharded model's shards."""
+        if "message_hub" in checkpoint:
+            checkpoint["message_hub"] = decode_message_hub(checkpoint["message_hub"])
+        root = _sharded_root(runner.model)
+        if root is None:
+            return
+        from mmengine.optim import OptimWrapper
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        state = checkpoint.get("state_dict")
+        if isinstance(state, Mapping):
+            full = {_strip_module(key): value for key, value in state.items()}
+            incompatible = set_model_state_dict(root, full, options=options)
+            if incompatible.missing_keys or incompatible.unexpected_keys:
+                runner.logger.warning(
+                    f"CommRunnerHook: missing keys {list(incompatible.missing_keys)}, "
+                    f"unexpected keys {list(incompatible.unexpected_keys)}"
+                )
+            # The runner loads ``state_dict`` into ``model.module`` next: give it the
+            # shards just loaded, so that load changes nothing.
+            checkpoint["state_dict"] = dict(runner.model.module.state_dict())
+        optim_wrapper = runner.optim_wrapper
+        optim_state = checkpoint.get("optimizer")
+        if (
+            isinstance(optim_wrapper, OptimWrapper)
+            and isinstance(optim_state, dict)
+            and _is_full_optimizer_state(optim_state)
+        ):
+            set_optimizer_state_dict(root, optim_wrapper.optimizer, optim_state, options=options)
+            # The runner's resume loads ``optimizer`` next: this rank's state, as loaded.
+            checkpoint["optimizer"] = optim_wrapper.state_dict()
+
+
+def _without_child_wrappers(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    prefixes = {
+        f"{name}.module.": f"{name}."
+        for name, child in model.named_children()
+        if isinstance(child, DistributedDataParallel)
+    }
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        for wrapped, clean in prefixes.items():
+            if key.startswith(wrapped):
+                key = clean + key[len(wrapped) :]
+                break
+        out[key] = value
+    return out
+
+
+def _strip_module(key: str) -> str:
+    return key[len("module.") :] if key.startswith("module.") else key
+
+
+def _tensors_to_cpu(value: Any) -> Any:
+    """Every tensor in a nested state moved to the CPU (containers rebuilt)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {key: _tensors_to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors_to_cpu(item) for item in value)
+    return value
