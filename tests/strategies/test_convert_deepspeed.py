@@ -390,18 +390,32 @@ def test_a_comm_deepspeed_folder_converts_with_its_optimizer(
         assert max_diff(moments, truth[key]) == 0.0
 
 
+@pytest.fixture(scope="module")
+def deepspeeds_universal(saved: Path) -> Path:
+    """DeepSpeed's own ds_to_universal run on the ZeRO-3 and the two-group ZeRO-2 folders,
+    both at once (each is a process that imports DeepSpeed)."""
+    runs = {}
+    for kind in ("zero3", "zero2_groups"):
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
+        command += ["--input_folder", str(saved / kind / "global_step2")]
+        command += ["--output_folder", str(saved / "ds_universal" / kind)]
+        command += ["--inject_missing_state"]  # ZeRO 1/2: a client's universal info (none)
+        runs[kind] = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    for kind, run in runs.items():
+        output, _ = run.communicate(timeout=180)
+        assert run.returncode == 0, (kind, output[-3000:])
+    return saved / "ds_universal"
+
+
 @pytest.mark.parametrize("kind", ["zero3", "zero2_groups"])
 def test_deepspeeds_own_universal_folder_reads_offline(
-    saved: Path, tmp_path: Path, kind: str
+    saved: Path, deepspeeds_universal: Path, kind: str
 ) -> None:
     """What DeepSpeed's ds_to_universal writes (ZeRO-3: flat tensors and no step.pt;
     ZeRO-2: groups named by index) reads the same as the folder it came from."""
-    out = tmp_path / "global_step2_universal"
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
-    command += ["--input_folder", str(saved / kind / "global_step2"), "--output_folder", str(out)]
-    command += ["--inject_missing_state"]  # ZeRO 1/2: a client's universal info (none here)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    out = deepspeeds_universal / kind
     truth = truth_of(saved, kind)
     state = read_folder(out)
     assert max_diff(state.model, truth["params"]) == 0.0
