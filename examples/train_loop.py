@@ -2,10 +2,13 @@
 
     python examples/train_loop.py --strategy single
     torchrun --nproc-per-node 2 examples/train_loop.py --strategy ddp   # or fsdp, fsdp2, deepspeed
+    torchrun --nproc-per-node 4 examples/train_loop.py --strategy model_parallel  # dp 2 x tp 2
 
 The strategy places and wraps the model and builds the optimizer over the wrapped
 parameters; the loop only calls ``optim_wrapper.update_params(loss)``. Each rank trains on
-its share of every global batch of the handwritten digits shipped with comm-strategies.
+its share of every global batch of the handwritten digits shipped with comm-strategies
+(under ``model_parallel``, the ranks of one tensor-parallel group share one share: the
+data-parallel coordinates pick it, not the world rank).
 """
 
 from __future__ import annotations
@@ -16,17 +19,25 @@ import torch
 
 import comm_collectives as dist
 from comm_strategies import build_strategy
-from comm_strategies.demo import TRAIN_SIZE, DigitsNet, load_digits
+from comm_strategies.demo import TRAIN_SIZE, DigitsNet, digits_plan, load_digits
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="single", help="single|ddp|fsdp|fsdp2|deepspeed")
+    parser.add_argument(
+        "--strategy", default="single", help="single|ddp|fsdp|fsdp2|deepspeed|model_parallel"
+    )
+    parser.add_argument(
+        "--tensor-parallel", type=int, default=2, help="model_parallel: tensor-parallel ranks"
+    )
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     args = parser.parse_args(argv)
 
-    strategy = build_strategy(args.strategy, seed=0)
+    options = {}
+    if args.strategy == "model_parallel":  # the digits net's plan; FSDP2 over the rest
+        options = {"parallelize_fn": digits_plan, "tensor_parallel_size": args.tensor_parallel}
+    strategy = build_strategy(args.strategy, seed=0, **options)
     strategy.setup_env()  # the process group, then the seed: the model's init is seeded too
     model, optim_wrapper, schedulers = strategy.prepare(
         DigitsNet(),
@@ -36,7 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     # The data goes where the strategy put the model (the GPU under nccl, else the CPU).
     device = next(model.parameters()).device
     images, labels = (t.to(device) for t in load_digits())
-    rank, world = strategy.rank, strategy.world_size
+    # Which share of each global batch: the data-parallel coordinates where the strategy
+    # has them (tensor-parallel ranks of one group must see the same batch), else the rank.
+    rank = getattr(strategy, "data_parallel_rank", strategy.rank)
+    world = getattr(strategy, "data_parallel_world_size", strategy.world_size)
     generator = torch.Generator().manual_seed(0)  # the same batches on every rank
     for step in range(args.steps):
         batch = torch.randint(TRAIN_SIZE, (args.batch_size,), generator=generator)[rank::world]
@@ -48,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         if step % 10 == 0 or step == args.steps - 1:
             mean = loss.detach().clone()
             dist.all_reduce(mean, op="mean")  # in place
-            if rank == 0:
+            if strategy.rank == 0:
                 print(f"step {step:3d}  loss {float(mean):.4f}")
     strategy.teardown()
 

@@ -212,3 +212,14 @@ def test_constructor_checks_its_arguments() -> None:
     assert mesh_shape(8, None, 2, 2) == {"replicate": 2, "data_parallel": 2, "tensor_parallel": 2}
     assert isinstance(build_strategy("model_parallel"), ModelParallelStrategy)
     assert torch.distributed.is_available()
+
+
+def test_the_train_loop_example_gives_the_single_process_losses(comm_pools: Any) -> None:
+    # examples/train_loop.py under model_parallel on 4 ranks (dp 2 x tp 2) prints the same
+    # rank-averaged losses as one process, to the printed digits.
+    from tests.strategies.test_loop import run_loop_in_world
+
+    [reference] = comm_pools.get(1).run(run_loop_in_world, ["single"], timeout=120)
+    by_rank = comm_pools.get(4).run(run_loop_in_world, ["model_parallel"], timeout=240)
+    assert len(reference["single"]) == 3
+    assert by_rank[0]["model_parallel"] == pytest.approx(reference["single"], abs=2e-4)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TEST_SIZE", "TRAIN_SIZE", "DigitsNet", "load_digits"]
+__all__ = ["TEST_SIZE", "TRAIN_SIZE", "DigitsNet", "digits_plan", "load_digits", "train_flops"]
 
 _SHA256 = "68aea062d35a127749050fa0e52dca09d6569ac08092c925610e0954e172dde2"
 _ROWS, _COLUMNS = 1797, 65
@@ -68,3 +68,49 @@ class DigitsNet(nn.Module):
         if mode == "loss":
             return {"loss": nn.functional.cross_entropy(logits.float(), labels)}
         return logits
+
+
+def digits_plan(model: nn.Module, device_mesh: Any) -> None:
+    """The tensor-parallel plan of `DigitsNet`, a ``parallelize_fn`` of ModelParallelStrategy.
+
+    The first layer (64 -> 128) is split by output columns and the second (128 -> 64) by
+    input rows, so the hidden activations of width 128 stay split between the
+    tensor-parallel ranks and one all-reduce per forward joins the second layer's output;
+    the small head (64 -> 10) is left whole. Nothing happens on a mesh whose
+    ``"tensor_parallel"`` dimension has one rank.
+
+    Examples:
+        >>> from comm_strategies import ModelParallelStrategy
+        >>> strategy = ModelParallelStrategy(parallelize_fn=digits_plan, seed=0)
+        >>> model, _, _ = strategy.prepare(DigitsNet())  # a world of one: a 1 x 1 mesh
+        >>> model(torch.zeros(2, 64)).shape
+        torch.Size([2, 10])
+        >>> strategy.teardown()
+    """
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tensor_parallel = device_mesh["tensor_parallel"]
+    if tensor_parallel.size() == 1:
+        return
+    plan = {"body.0": ColwiseParallel(), "body.2": RowwiseParallel()}
+    parallelize_module(model, tensor_parallel, plan)
+
+
+def train_flops(model: nn.Module, samples: int) -> int:
+    """The model FLOPs of training on ``samples`` examples: 6 per weight of each linear layer.
+
+    A multiply-add is 2 FLOPs; the backward costs twice the forward (gradients of the
+    inputs and of the weights). Biases, activations and the loss are left out, as usual.
+
+    Examples:
+        >>> train_flops(DigitsNet(), 1)  # 6 x (64*128 + 128*64 + 64*10)
+        102144
+    """
+    weights = sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear)
+    )
+    return 6 * weights * samples

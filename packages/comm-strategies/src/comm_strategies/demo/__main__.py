@@ -1,9 +1,15 @@
 """``python -m comm_strategies.demo``: the digits under every strategy, then a summary table.
 
 Each strategy runs in its own processes (torchrun with ``--nproc`` local ranks: one per GPU
-under nccl on a GPU machine, else 2 CPU ranks under gloo; one process for ``single``), on
-127.0.0.1 only. The DeepSpeed run's checkpoint is then loaded for evaluation by one plain
-process.
+under nccl on a GPU machine, else 2 CPU ranks under gloo; one process for ``single``;
+``--mp-nproc`` ranks for ``model_parallel``, 4 on the CPU: data parallel 2 x tensor
+parallel 2), on 127.0.0.1 only. The DeepSpeed run's checkpoint is then loaded for
+evaluation by one plain process.
+
+Throughput: samples per second from the median step time, and model FLOPs utilisation
+(MFU): the model's training FLOPs per second (`train_flops`) over the peak of the ranks,
+each rank's peak being a float32 matmul measured here with one thread (the ranks run one
+thread each), times the number of ranks, capped at the machine's cores.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-STRATEGIES = ("single", "ddp", "fsdp", "fsdp2", "deepspeed")
+STRATEGIES = ("single", "ddp", "fsdp", "fsdp2", "deepspeed", "model_parallel")
 
 
 def _free_port() -> int:
@@ -61,6 +67,33 @@ def _run(name: str, nproc: int, work: Path, epochs: int, extra: list[str], timeo
     return result
 
 
+def matmul_peak(size: int = 512, repeats: int = 5) -> float:
+    """The best float32 matmul FLOPs per second of one thread on this machine's CPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b  # warm up
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * size**3 / best
+
+
+def _mfu(row: dict[str, Any], peak: float | None) -> str:
+    if peak is None or row.get("samples_per_s") is None:
+        return "n/a"
+    ranks = min(int(row["ranks"]), os.cpu_count() or 1)
+    achieved = row["flops_per_step"] * row["samples_per_s"] / 64
+    return f"{100 * achieved / (peak * ranks):.2f}%"
+
+
 def _size(value: Any) -> str:
     if value is None:
         return "n/a"
@@ -75,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="local ranks (default: one per GPU, else 2 CPU ranks)",
     )
+    parser.add_argument(
+        "--mp-nproc",
+        type=int,
+        default=None,
+        help="ranks of model_parallel (default: one per GPU, else 4 CPU ranks: dp 2 x tp 2)",
+    )
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
@@ -85,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     where = "GPU" if gpus else "CPU"
     if args.nproc is None:
         args.nproc = gpus or 2
+    if args.mp_nproc is None:
+        args.mp_nproc = gpus or 4
+    peak = None if gpus else matmul_peak()
     checkpoints = _checkpoints_available()
     began = time.perf_counter()
     rows = []
@@ -92,23 +134,32 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(folder)
         for name in args.strategies:
             extra = ["--save", str(work / f"ckpt-{name}")] if checkpoints else []
-            rows.append(_run(name, args.nproc, work, args.epochs, extra, args.timeout))
+            nproc = args.mp_nproc if name == "model_parallel" else args.nproc
+            rows.append(_run(name, nproc, work, args.epochs, extra, args.timeout))
         reload = None
         if checkpoints and "deepspeed" in args.strategies:
             reload = _run(
                 "single", 1, work, 0, ["--load", str(work / "ckpt-deepspeed")], args.timeout
             )
     print()
-    print(f"digits ({args.epochs} epochs, global batch 64, AdamW), {args.nproc} {where} ranks:")
-    header = f"| {'strategy':<10} | {'ranks':>5} | {'accuracy':>8} | {'time/step':>9} | {'checkpoint':>10} | {'wall':>6} |"
+    print(f"digits ({args.epochs} epochs, global batch 64, AdamW), {where} ranks:")
+    header = (
+        f"| {'strategy':<18} | {'ranks':>5} | {'accuracy':>8} | {'time/step':>9} | "
+        f"{'samples/s':>9} | {'MFU':>6} | {'checkpoint':>10} | {'wall':>6} |"
+    )
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
     for row in rows:
         step = f"{row['step_ms']:.2f} ms" if row["step_ms"] is not None else "n/a"
+        rate = f"{row['samples_per_s']:.0f}" if row.get("samples_per_s") else "n/a"
+        label = row["strategy"] + (f" {row['layout']}" if row.get("layout") else "")
         print(
-            f"| {row['strategy']:<10} | {row['ranks']:>5} | {100 * row['accuracy']:>7.2f}% | "
-            f"{step:>9} | {_size(row['checkpoint_bytes']):>10} | {row['wall_s']:>5.1f}s |"
+            f"| {label:<18} | {row['ranks']:>5} | {100 * row['accuracy']:>7.2f}% | "
+            f"{step:>9} | {rate:>9} | {_mfu(row, peak):>6} | "
+            f"{_size(row['checkpoint_bytes']):>10} | {row['wall_s']:>5.1f}s |"
         )
+    if peak is not None:
+        print(f"\nMFU against a measured float32 matmul peak of {peak / 1e9:.1f} GFLOP/s per rank")
     if reload is not None:
         deepspeed_row = next(r for r in rows if r["strategy"] == "deepspeed")
         same = abs(reload["accuracy"] - deepspeed_row["accuracy"]) < 1e-9

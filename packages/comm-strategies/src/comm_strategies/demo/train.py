@@ -22,7 +22,7 @@ import comm_collectives as dist
 from comm_strategies import build_strategy
 from comm_wrappers import unwrap_model
 
-from . import TRAIN_SIZE, DigitsNet, load_digits
+from . import TRAIN_SIZE, DigitsNet, digits_plan, load_digits, train_flops
 
 GLOBAL_BATCH = 64
 
@@ -30,7 +30,21 @@ GLOBAL_BATCH = 64
 def _options(name: str) -> dict[str, Any]:
     if name == "deepspeed":
         return {"zero_stage": 2}
+    if name == "model_parallel":
+        # Tensor parallel over pairs of ranks, FSDP2 across the pairs (dp 2 x tp 2 on 4).
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return {"parallelize_fn": digits_plan, "tensor_parallel_size": 2 if world % 2 == 0 else 1}
     return {}
+
+
+def data_coordinates(strategy: Any) -> tuple[int, int]:
+    """``(rank, ranks)`` among the ranks that see different data.
+
+    Every rank but under ModelParallelStrategy, whose tensor-parallel ranks share a batch.
+    """
+    rank = getattr(strategy, "data_parallel_rank", strategy.rank)
+    ranks = getattr(strategy, "data_parallel_world_size", strategy.world_size)
+    return int(rank), int(ranks)
 
 
 class Progress:
@@ -58,17 +72,29 @@ class Progress:
             print(text, file=sys.stderr, flush=True)
 
 
-def evaluate(model: Any, images: torch.Tensor, labels: torch.Tensor) -> float:
-    """Accuracy on the held-out digits: each rank scores its share, the counts are summed."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = slice(rank, None, world)
+def evaluate(
+    model: Any, images: torch.Tensor, labels: torch.Tensor, rank: int, ranks: int
+) -> float:
+    """Accuracy on the held-out digits: each data rank scores its share, counts are summed.
+
+    ``rank`` of ``ranks`` are the data-parallel coordinates (`data_coordinates`): the
+    tensor-parallel ranks of one group score the same share, counted once.
+    """
+    mine = slice(rank, None, ranks)
     model.eval()
     with torch.no_grad():
         logits = model(images[mine], mode="predict")
     model.train()
     correct = (logits.argmax(-1) == labels[mine]).sum().float().reshape(1)
     dist.all_reduce(correct)
-    return float(correct) / len(labels)
+    copies = dist.get_world_size() // ranks
+    return float(correct) / copies / len(labels)
+
+
+def _layout(strategy: Any) -> str | None:
+    """``"2x2"`` (the mesh's sizes, outermost first) under ModelParallelStrategy, else None."""
+    mesh = getattr(strategy, "device_mesh", None)
+    return None if mesh is None else "x".join(str(size) for size in mesh.mesh.shape)
 
 
 def directory_size(path: Path) -> int:
@@ -90,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     # One global batch of 64 per step, split evenly over the ranks: every strategy computes
     # the same updates, so the accuracies agree.
     strategy.setup_env()
-    world = strategy.world_size
+    rank, world = data_coordinates(strategy)
     if GLOBAL_BATCH % world:
         message = f"the demo needs a world size that divides {GLOBAL_BATCH}, got {world}"
         raise SystemExit(message)
@@ -112,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     steps_per_epoch = TRAIN_SIZE // GLOBAL_BATCH
     total = steps_per_epoch * args.epochs
     progress = Progress(args.strategy, total, args.progress and strategy.rank == 0)
-    rank = strategy.rank
     times: list[float] = []
     loss = torch.tensor(0.0)
     for epoch in range(args.epochs):
@@ -126,17 +151,22 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - start)
             progress.update(epoch * steps_per_epoch + step + 1, float(loss))
 
-    accuracy = evaluate(model, test_x, test_y)
+    accuracy = evaluate(model, test_x, test_y, rank, world)
     size = None
+    leader = strategy.rank == 0
     if args.save is not None:
         path = strategy.save_checkpoint(args.save)
-        size = directory_size(Path(path)) if rank == 0 else None
-    if rank == 0 and args.out is not None:
+        size = directory_size(Path(path)) if leader else None
+    if leader and args.out is not None:
+        step_s = statistics.median(times[5:]) if len(times) > 5 else None
         summary = {
             "strategy": args.strategy,
-            "ranks": world,
+            "ranks": strategy.world_size,
+            "layout": _layout(strategy),
             "accuracy": accuracy,
-            "step_ms": 1000 * statistics.median(times[5:]) if len(times) > 5 else None,
+            "step_ms": None if step_s is None else 1000 * step_s,
+            "samples_per_s": None if step_s is None else GLOBAL_BATCH / step_s,
+            "flops_per_step": train_flops(DigitsNet(), GLOBAL_BATCH),
             "steps": len(times),
             "checkpoint_bytes": size,
             "final_loss": float(loss),
