@@ -147,13 +147,23 @@ def test_a_second_save_waits_for_the_async_one(comm_pools: Any, tmp_path: Path) 
         assert result["order"]  # the first was published before the second
 
 
+class _BrokenScheduler:
+    def state_dict(self) -> dict[str, Any]:
+        message = "this scheduler cannot be saved"
+        raise RuntimeError(message)
+
+
 def async_failure_on_one_rank(root: str, where: str) -> dict[str, Any]:
-    """Fail the background writes of one rank: rank 1's through the test hook, rank 0's
-    with user state that torch.save cannot pickle (a local lambda, written by rank 0)."""
+    """Fail the save on one rank: rank 1's background writes through the test hook, rank
+    0's with user state that torch.save cannot pickle (a local lambda, written by rank 0),
+    or rank 0's copy at the call (a scheduler whose state_dict raises)."""
     model, optim = build("ddp")
     train_steps(model, optim, range(1))
     me = dist.get_rank()
     extra: dict[str, Any] = {"step": 1}
+    schedulers: list[Any] = []
+    if where == "copy" and me == 0:
+        schedulers.append(_BrokenScheduler())
     if where == "rank 1" and me == 1:
 
         def fail(stage: str) -> None:
@@ -167,7 +177,7 @@ def async_failure_on_one_rank(root: str, where: str) -> dict[str, Any]:
     try:
         handle = save_checkpoint(
             f"{root}/broken", model=model, optim_wrapper=optim, strategy="ddp", extra=extra,
-            async_save=True,
+            schedulers=schedulers, async_save=True,
         )  # fmt: skip
         try:
             handle.wait(timeout=60)
@@ -188,15 +198,19 @@ def async_failure_on_one_rank(root: str, where: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("where", "cause"),
-    [("rank 1", "disk full (injected on rank 1)"), ("rank 0", "pickle")],
+    ("where", "failed", "cause"),
+    [
+        ("rank 1", "rank 1", "disk full (injected on rank 1)"),
+        ("rank 0", "rank 0", "pickle"),
+        ("copy", "rank 0", "this scheduler cannot be saved"),
+    ],
 )
-def test_an_async_write_failing_on_one_rank_raises_on_every_rank_at_wait(
-    comm_pools: Any, tmp_path: Path, where: str, cause: str
+def test_an_async_save_failing_on_one_rank_raises_on_every_rank_at_wait(
+    comm_pools: Any, tmp_path: Path, where: str, failed: str, cause: str
 ) -> None:
     results = comm_pools.get(2).run(async_failure_on_one_rank, str(tmp_path), where, timeout=120)
     for result in results:
-        assert where in result["message"], result["message"]
+        assert failed in result["message"], result["message"]
         assert cause in result["message"].lower() or cause in result["message"], result
         assert result["again"] == result["message"]
         assert result["after"] == str(tmp_path / "after")

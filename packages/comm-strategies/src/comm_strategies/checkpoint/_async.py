@@ -5,8 +5,10 @@ model is still: the entry handshake, the collective gathers of the format (a ful
 a sharded model gathers it to rank 0), the copy of every tensor to the CPU (`stage`: what
 torch distributed checkpoint's ``BlockingAsyncStager`` does; DTensors and ShardedTensors
 keep their layout; the memory of the previous async save's copy is reused when the shapes
-are the same), the user state deep-copied, and one vote that every rank has its copy. It
-then returns a `SaveHandle`; training goes on while a background thread writes the copy.
+are the same) and the user state deep-copied. It then returns a `SaveHandle`; training
+goes on while a background thread writes the copy. A rank whose copy failed writes
+nothing (but takes part in the DCP writes) and fails the save through the vote below:
+its error is raised by ``wait()`` on every rank.
 
 The background thread never runs a collective of the default process group: the training
 thread runs those meanwhile, and two threads issuing collectives on one group interleave
@@ -39,6 +41,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -55,7 +58,7 @@ from ._files import save_tensor_file
 from ._formats import Attempts, quiet_torch
 from ._layout import DCP_FOLDER, MODEL_FILE, OPTIM_FILE
 
-__all__ = ["SaveHandle", "stage", "start", "wait_previous"]
+__all__ = ["Job", "SaveHandle", "stage", "start", "wait_previous"]
 
 # The formats written in the background; "deepspeed" (the engine's own save_checkpoint,
 # collective inside) is written synchronously and its handle is returned done.
@@ -253,21 +256,11 @@ def dcp_group(timeout_s: float) -> Any:
 Write = tuple[str, Any, Path]  # what (for messages), the staged object, the file
 
 
-def start(
-    final: Path,
-    temporary: Path,
-    *,
-    fmt: str,
-    staged: dict[str, Any] | None,
-    files: list[Write],
-    publish: Callable[[], None],
-    key: str,
-    timeout_s: float,
-    hook: Callable[[str], None],
-) -> SaveHandle:
-    """Start the background writer of a staged save; return its handle.
+@dataclass
+class Job:
+    """One async save, as the calling thread hands it to the background thread.
 
-    Args:
+    Attributes:
         final: The checkpoint folder.
         temporary: The folder being written (created by rank 0 at entry).
         fmt: ``"full"`` or ``"dcp"``.
@@ -279,12 +272,29 @@ def start(
         timeout_s: How long a rank waits for the others' writes.
         hook: The test hook (called with ``"writing"`` when the thread starts, with
             ``"written"`` before the vote).
+        error: This rank's failure while copying: no file of this rank is written, and
+            the vote fails the save on every rank (the DCP writes still take part).
     """
+
+    final: Path
+    temporary: Path
+    fmt: str
+    staged: dict[str, Any] | None
+    files: list[Write]
+    publish: Callable[[], None]
+    key: str
+    timeout_s: float
+    hook: Callable[[str], None]
+    error: BaseException | None = None
+
+
+def start(job: Job) -> SaveHandle:
+    """Start the background writer of a staged save; return its handle."""
     global _pending
-    handle = SaveHandle(final)
-    group = dcp_group(timeout_s) if fmt == "dcp" else None
+    handle = SaveHandle(job.final)
+    group = dcp_group(job.timeout_s) if job.fmt == "dcp" else None
     store = torch_dist.distributed_c10d._get_default_store() if dist.is_distributed() else None
-    writer = _Writer(handle, temporary, fmt, staged, files, publish, key, timeout_s, hook)
+    writer = _Writer(handle, job)
     thread = threading.Thread(
         target=writer.run, args=(group, store), name="comm-checkpoint-save", daemon=False
     )
@@ -296,34 +306,19 @@ def start(
 class _Writer:
     """What the background thread of one save does, in order (see the module docstring)."""
 
-    def __init__(
-        self,
-        handle: SaveHandle,
-        temporary: Path,
-        fmt: str,
-        staged: dict[str, Any] | None,
-        files: list[Write],
-        publish: Callable[[], None],
-        key: str,
-        timeout_s: float,
-        hook: Callable[[str], None],
-    ) -> None:
+    def __init__(self, handle: SaveHandle, job: Job) -> None:
         self.handle = handle
-        self.temporary = temporary
-        self.fmt = fmt
-        self.staged = staged
-        self.files = files
-        self.publish = publish
-        self.key = key
-        self.timeout_s = timeout_s
-        self.hook = hook
+        self.job = job
+        self.temporary = job.temporary
+        self.key = job.key
+        self.timeout_s = job.timeout_s
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
 
     def run(self, group: Any, store: Any) -> None:
         try:
             error = self._write(group)
-            self.staged = None  # the copy's memory goes back before the others finish
+            self.job.staged = None  # the copy's memory goes back before the others finish
             self.handle._end(self._finish(store, error))
         except CheckpointError as error:
             self.handle._end(error)
@@ -333,27 +328,30 @@ class _Writer:
             self.handle._end(failed)
 
     def _write(self, group: Any) -> BaseException | None:
+        job = self.job
         attempts = Attempts(self.temporary)
-        attempts.run(self.hook, "writing", what="this rank's files")
-        if self.fmt == "dcp":  # collective on its own group: every rank takes part
-            attempts.run(self._write_dcp, group, what=DCP_FOLDER)
-        elif self.staged is not None:  # "full", rank 0
-            model = self.staged["model"]
+        attempts.error = job.error
+        attempts.run(job.hook, "writing", what="this rank's files")
+        if job.fmt == "dcp":  # collective on its own group: every rank takes part, always
+            collective = Attempts(self.temporary)
+            collective.run(self._write_dcp, group, what=DCP_FOLDER)
+            attempts.error = attempts.error or collective.error
+        elif job.staged is not None:  # "full", rank 0
+            model = job.staged["model"]
             attempts.run(save_tensor_file, model, self.temporary / MODEL_FILE, what=MODEL_FILE)
-            if "optim" in self.staged:
-                optim = self.staged["optim"]
+            if "optim" in job.staged:
+                optim = job.staged["optim"]
                 attempts.run(save_tensor_file, optim, self.temporary / OPTIM_FILE, what=OPTIM_FILE)
-        for what, value, path in self.files:
+        for what, value, path in job.files:
             attempts.run(_save_in, value, path, what=what)
-        attempts.run(self.hook, "written", what="this rank's files")
+        attempts.run(job.hook, "written", what="this rank's files")
         return attempts.error
 
     def _write_dcp(self, group: Any) -> None:
-        assert self.staged is not None
+        # a rank whose copy failed takes part with nothing to write (its failure is voted)
+        staged = self.job.staged if self.job.staged is not None else {}
         with quiet_torch():
-            dcp_save(
-                self.staged, checkpoint_id=str(self.temporary / DCP_FOLDER), process_group=group
-            )
+            dcp_save(staged, checkpoint_id=str(self.temporary / DCP_FOLDER), process_group=group)
 
     def _finish(self, store: Any, error: BaseException | None) -> BaseException | None:
         """The vote through the store, rank 0's publish, the publish's outcome shared."""
@@ -374,7 +372,7 @@ class _Writer:
         outcome = ""
         if self.rank == 0:
             try:
-                self.publish()
+                self.job.publish()
             except Exception as caught:
                 outcome = f"cannot finish {self.handle.path}: {type(caught).__name__}: {caught}"
             if store is not None:

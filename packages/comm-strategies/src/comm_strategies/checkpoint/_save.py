@@ -297,8 +297,8 @@ def _start_async(
     keep_last: int | None,
     side: tuple[Any, Sequence[Any], Mapping[str, Any] | None],
 ) -> SaveHandle:
-    """Copy the state to the CPU (collective where the format gathers), agree that every
-    rank has its copy, and hand the writes and the publish to a background thread."""
+    """Copy the state to the CPU (collective where the format gathers) and hand the writes,
+    the vote and the publish to a background thread."""
     staged: dict[str, Any] | None = None
     params: dict[str, list[Any]] = {}
     if record.fmt == "dcp":
@@ -329,22 +329,23 @@ def _start_async(
     copies: list[_async.Write] = []
     for what, produce, target in files:
         attempts.run(_copy_now, copies, what, produce, target, what=what)
-    try:  # synchronous, on this thread: every rank has its copy, or every rank raises
-        call.vote("staged", attempts.error)
-    except CheckpointError:
-        if dist.get_rank() == 0:
-            _publish.abandon(temporary)
-        raise
+    # No vote here (it would block the loop): a failure to copy fails the save through
+    # the background thread's vote, raised by wait() on every rank.
     return _async.start(
-        final,
-        temporary,
-        fmt=record.fmt,
-        staged=staged,
-        files=copies,
-        publish=lambda: _publish_folder(record, params, bool(scalers), temporary, final, keep_last),
-        key=f"comm_checkpoint/{call.number}/async",
-        timeout_s=max(call.timeout, WRITE_TIMEOUT_S),
-        hook=_hook,
+        _async.Job(
+            final,
+            temporary,
+            fmt=record.fmt,
+            staged=staged,
+            files=copies,
+            publish=lambda: _publish_folder(
+                record, params, bool(scalers), temporary, final, keep_last
+            ),
+            key=f"comm_checkpoint/{call.number}/async",
+            timeout_s=max(call.timeout, WRITE_TIMEOUT_S),
+            hook=_hook,
+            error=attempts.error,
+        )
     )
 
 
