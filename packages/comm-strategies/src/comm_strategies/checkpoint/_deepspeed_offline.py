@@ -334,7 +334,7 @@ def _read_zero12(
     group_names: list[list[str]] = []
     for group, group_shapes in enumerate(shapes):
         pieces: dict[str, list[torch.Tensor]] = {name: [] for name in group_shapes}
-        keys = _flat_keys(base[0]["state"].get(group, {}))
+        keys = _flat_keys(base[0]["state"].get(group, {})) if optimizer else []
         moment_pieces: dict[str, dict[str, list[torch.Tensor]]] = {k: {} for k in keys}
         for rank, part in enumerate(inner):
             flat = part["single_partition_of_fp32_groups"][group]
@@ -347,8 +347,10 @@ def _read_zero12(
                     moment_pieces[key].setdefault(name, []).append(moment)
         for name, shape in group_shapes.items():
             model[name] = _joined(pieces[name], shape, name, files[0])
-            if keys and optimizer:
-                entry = {k: _joined(moment_pieces[k][name], shape, name, files[0]) for k in keys}
+            if keys:
+                entry = {
+                    k: _joined(moment_pieces[k].get(name, []), shape, name, files[0]) for k in keys
+                }
                 entry.update(_scalars(base[0]["state"].get(group, {})))
                 moments[name] = entry
         group_names.append(list(group_shapes))
@@ -449,7 +451,7 @@ def _read_zero3(
     group_names: list[list[str]] = []
     for group, group_shapes in enumerate(shapes):
         flats = [part["fp32_flat_groups"][group] for part in inner]
-        keys = _flat_keys(base[0]["state"].get(group, {}))
+        keys = _flat_keys(base[0]["state"].get(group, {})) if optimizer else []
         offset = 0
         for name, shape in group_shapes.items():
             numel = math.prod(int(d) for d in shape)
@@ -461,7 +463,7 @@ def _read_zero3(
                 return [t.narrow(0, at, size) for t in tensors]
 
             model[name] = _joined_padded(gather(flats), shape, name, files[0])
-            if keys and optimizer:
+            if keys:
                 entry = {
                     k: _joined_padded(
                         gather([b["state"][group][k] for b in base]), shape, name, files[0]
