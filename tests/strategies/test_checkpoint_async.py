@@ -340,3 +340,32 @@ def test_deepspeed_files_are_written_before_an_async_save_returns(
         assert done
         assert path == str(tmp_path / "ds")
         assert fmt == "deepspeed"
+
+
+# ------------------------------------------------------- the handle in one process
+
+
+def test_wait_with_a_timeout_and_an_unobserved_failure(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    released = threading.Event()
+    _hold_until(released)
+    try:
+        handle = save_checkpoint(tmp_path / "held", model=model, strategy="single", async_save=True)
+        with pytest.raises(TimeoutError, match=r"still running after 0\.1 s"):
+            handle.wait(timeout=0.1)
+        assert not handle.done()
+        assert not (tmp_path / "held").exists()  # published only once written
+        released.set()
+        assert handle.wait(timeout=60) == tmp_path / "held"
+    finally:
+        _save._stage_hook = None
+    # A failed async save whose wait() nobody called: the next save warns, then saves.
+    failed = save_checkpoint(
+        tmp_path / "bad", model=model, strategy="single", extra={"f": lambda: None},
+        async_save=True,
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"previous async save .*bad.* failed"):
+        assert save_checkpoint(tmp_path / "next", model=model, strategy="single").name == "next"
+    with pytest.raises(CheckpointError, match="user state"):
+        failed.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held", "next"]
