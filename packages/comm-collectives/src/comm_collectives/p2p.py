@@ -20,6 +20,7 @@ default group).
 from __future__ import annotations
 
 import pickle
+import threading
 from typing import Any
 
 import numpy as np
@@ -48,10 +49,6 @@ from .tensors import _as_bytes, _check_tensor, _plain, _staged, global_rank
 from .work import Work, completed_work
 
 __all__ = ["irecv", "isend", "recv", "recv_object_list", "send", "send_object_list"]
-
-# Sends whose caller raised (a local failure announced to the receiver): kept alive until
-# they complete, so the receiver still gets the announcement.
-_orphans: list[torch_dist.Work] = []
 
 
 def _device_code(device: torch.device) -> int:
@@ -87,10 +84,6 @@ def _check_peer(
         message = f"{operation}: {what}={peer} is this rank itself; send to another rank."
         raise ValueError(message)
     return peer
-
-
-def _prune_orphans() -> None:
-    _orphans[:] = [w for w in _orphans if not w.is_completed()]
 
 
 def _header_tensor(header: Header) -> torch.Tensor:
@@ -130,11 +123,21 @@ def _announce_failure(
     header = Header(operation, error=error, count=blob.size)
     route, _ = header_route(group)
     try:
-        _orphans.extend(_post(operation, header, torch.from_numpy(blob), route, dst, group, tag))
+        works = _post(operation, header, torch.from_numpy(blob), route, dst, group, tag)
     except Exception:  # the peer is gone as well: the local error is what matters
-        pass
-    _prune_orphans()
+        works = []
+    if works:  # delivered in the background: this rank raises now
+        threading.Thread(target=_drain, args=(works,), daemon=True).start()
     return RemoteRankError(operation, [failure])
+
+
+def _drain(works: list[torch_dist.Work]) -> None:
+    """Wait for the sends of a failure announcement (the peer may be gone: then nothing)."""
+    for work in works:
+        try:
+            work.wait()
+        except Exception:
+            return
 
 
 def isend(
@@ -158,7 +161,6 @@ def isend(
     """
     if not_member(group):  # torch's behaviour outside a group: nothing
         return completed_work("send")
-    _prune_orphans()
     _tags(tag)
     _check_peer("send", dst, group, "dst")
     try:
@@ -233,7 +235,6 @@ def irecv(
     """
     if not_member(group):  # torch's behaviour outside a group: nothing
         return completed_work("recv")
-    _prune_orphans()
     if src is not None:
         _check_peer("recv", src, group, "src")
     _tags(tag)
@@ -293,7 +294,6 @@ def send_object_list(
     """
     if not_member(group):  # torch's behaviour outside a group: nothing
         return
-    _prune_orphans()
     _check_peer("send_object_list", dst, group, "dst")
     try:
         if not isinstance(object_list, list):
@@ -354,7 +354,6 @@ def _receive(
 ) -> int:
     """Receive a header, then the bytes it announces; place them or raise; return the
     sender's rank. Runs in the caller's thread (recv) or a handle's helper thread (irecv)."""
-    _prune_orphans()
     if src is not None:
         _check_peer(operation, src, group, "src")
     head_tag, data_tag = _tags(tag)
