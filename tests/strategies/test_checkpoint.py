@@ -383,6 +383,35 @@ def test_the_wait_for_the_ranks_outcome_is_bounded(comm_pools: Any) -> None:
     assert took < 3.0
 
 
+def slow_rank_against_the_call_timeout(root: str) -> tuple[str, float]:
+    """Rank 1 takes 12 s more to write than rank 0; save_checkpoint(timeout=3) must end on
+    rank 0 about 3 s after it started (the outcome vote bounded by the call's timeout, not
+    by the hour writes get by default), with an error naming the step."""
+    from comm_strategies.checkpoint import _save
+
+    model = torch.nn.Linear(2, 1)
+    if dist.get_rank() == 1:
+        _save._stage_hook = lambda stage: time.sleep(12.0) if stage == "written" else None
+    start = time.monotonic()
+    try:
+        save_checkpoint(f"{root}/slow", model=model, strategy="ddp", timeout=3.0)
+        outcome = "no error"
+    except CheckpointError as error:
+        outcome = str(error)
+    finally:
+        _save._stage_hook = None
+    return outcome, time.monotonic() - start
+
+
+def test_a_call_timeout_bounds_the_outcome_wait_too(comm_pools: Any, tmp_path: Path) -> None:
+    results = comm_pools.get(2).run(slow_rank_against_the_call_timeout, str(tmp_path), timeout=90)
+    (message, took), (late, _) = results
+    assert "at step 'written' for the other ranks' outcome" in message, message
+    assert took < 8.0, took
+    assert late != "no error"  # the slow rank finds the others gone: an error there too
+    assert not (tmp_path / "slow").exists()
+
+
 def errors_on_every_rank(root: str) -> dict[str, str]:
     """Another model's manifest, a truncated file, different paths: errors on every rank."""
     out = {}

@@ -68,13 +68,17 @@ class Call:
 
     Args:
         operation: The public function, for messages (``"save_checkpoint"``).
-        timeout: Seconds to wait for the other ranks to enter; None: the variable or 300.
+        timeout: Seconds the whole call may take, from entering to the last outcome
+            shared; None: the entry waits ``COMM_CHECKPOINT_TIMEOUT`` or 300 s and the
+            outcome votes the longer of that and an hour (writing a large model is slow).
     """
 
     def __init__(self, operation: str, timeout: float | None) -> None:
         global _calls
         self.operation = operation
         self.timeout = handshake_timeout(timeout, operation)
+        # A timeout the caller passed bounds the whole call, the outcome votes included.
+        self.deadline = None if timeout is None else time.monotonic() + self.timeout
         _calls += 1
         self.number = _calls
 
@@ -105,15 +109,21 @@ class Call:
     def vote(self, step: str, error: BaseException | None, timeout: float | None = None) -> None:
         """Share each rank's outcome of ``step``; raise on every rank if any rank failed.
 
-        Waits at most ``timeout`` seconds, by default the longer of the entry timeout and
-        an hour (writing is slow): a rank that died after entering makes the others raise
+        Waits at most ``timeout`` seconds; by default what is left of the call's own
+        timeout when the caller passed one, else the longer of the entry timeout and an
+        hour (writing is slow): a rank that died after entering makes the others raise
         then, not after the process group's own timeout.
         """
         if dist.get_world_size() == 1:
             if error is not None:
                 raise _failed(self.operation, error, [(0, _label(error))], error)
             return
-        bound = max(self.timeout, WRITE_TIMEOUT_S) if timeout is None else timeout
+        if timeout is not None:
+            bound = timeout
+        elif self.deadline is not None:  # at least a moment: the others may be there
+            bound = max(self.deadline - time.monotonic(), 0.5)
+        else:
+            bound = max(self.timeout, WRITE_TIMEOUT_S)
         started = time.monotonic()
         try:
             dist.agree(f"{self.operation} ({step})", error, timeout=bound)
