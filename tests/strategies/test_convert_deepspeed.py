@@ -34,32 +34,42 @@ from tests.wrappers.net import BATCH, Net, batch, global_batch
 FP32 = ["zero0", "zero1", "zero2", "zero3"]
 BF16 = ["zero2_bf16", "zero3_bf16"]
 GROUPS = ["zero2_groups", "zero3_groups"]
+SGD = ["zero2_sgd"]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def state_keys(kind: str) -> tuple[str, ...]:
+    """The optimizer state a parameter of ``kind`` carries besides its step."""
+    return ("momentum_buffer",) if kind.endswith("_sgd") else MOMENTS
+
+
 def wrapped(kind: str, *, seed: int = 0, universal: bool = False) -> tuple[Any, Any]:
-    """comm's wrapper of a DeepSpeed engine of ``kind`` (``zeroN``, ``zeroN_bf16`` or
-    ``zeroN_groups``: two parameter groups) with a torch AdamW, and its optim wrapper."""
+    """comm's wrapper of a DeepSpeed engine of ``kind`` (``zeroN``, ``zeroN_bf16``,
+    ``zeroN_groups``: two parameter groups, or ``zeroN_sgd``: SGD with momentum instead of
+    AdamW) with its torch optimizer, and its optim wrapper."""
     from comm_wrappers.deepspeed import initialize
 
     torch.manual_seed(seed)
     module = Net()
-    optimizer = adamw(module, kind, 0.01 + seed)
+    optimizer = optimizer_of(module, kind, 0.01 + seed)
     stage = int(kind[4])
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": BATCH,
         "zero_optimization": {"stage": stage},
         "gradient_clipping": 0.0,
         "checkpoint": {"load_universal": universal and stage > 0},
+        "zero_allow_untested_optimizer": True,  # SGD
     }
     if kind.endswith("_bf16"):
         config["bf16"] = {"enabled": True}
     return initialize(module, config, optimizer)
 
 
-def adamw(module: torch.nn.Module, kind: str, lr: float) -> torch.optim.Optimizer:
-    """The AdamW of ``kind``: one group, or (``_groups``) weights and biases apart, the
-    biases with twice the learning rate and no weight decay."""
+def optimizer_of(module: torch.nn.Module, kind: str, lr: float) -> torch.optim.Optimizer:
+    """The optimizer of ``kind``: AdamW in one group, or (``_groups``) weights and biases
+    apart, the biases with twice the learning rate and no weight decay; or SGD."""
+    if kind.endswith("_sgd"):
+        return torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9, weight_decay=0.01)
     if not kind.endswith("_groups"):
         return torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.01)
     named = list(module.named_parameters())
@@ -79,7 +89,7 @@ def oracle(kind: str, world: int = 2) -> dict[str, dict[str, torch.Tensor]]:
     equals DDP exactly; here up to the order of the sums)."""
     torch.manual_seed(0)
     module = Net()
-    optimizer = adamw(module, kind, 0.01)
+    optimizer = optimizer_of(module, kind, 0.01)
     for step in range(2):
         inputs, targets = global_batch(step, 0, world)
         module(inputs, targets, mode="loss")["loss"].backward()
@@ -109,8 +119,12 @@ def engine_truth(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     """What the engine holds, full, through DeepSpeed's API (collective under ZeRO-3)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    base = engine.optimizer
+    while not isinstance(base, torch.optim.Optimizer):
+        base = base.optimizer
+    keys = ("momentum_buffer",) if isinstance(base, torch.optim.SGD) else MOMENTS
     truth: dict[str, dict[str, torch.Tensor]] = {"params": {}}
-    truth.update({key: {} for key in MOMENTS})
+    truth.update({key: {} for key in keys})
     zero = engine.zero_optimization_stage() > 0
     # DeepSpeed 0.19.8 links the optimizer state of the first parameter group only: with
     # two groups, safe_get_full_optimizer_state raises for the second ("exp_avg not found
@@ -119,11 +133,11 @@ def engine_truth(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     for name, param in engine.module.named_parameters():
         if zero:
             truth["params"][name] = safe_get_full_fp32_param(param).detach().clone()
-            for key in MOMENTS if moments else ():
+            for key in keys if moments else ():
                 truth[key][name] = safe_get_full_optimizer_state(param, key).detach().clone()
         else:  # ZeRO-0 in fp32: the module is the master, the client optimizer its state
             truth["params"][name] = param.detach().clone()
-            for key in MOMENTS:
+            for key in keys:
                 truth[key][name] = engine.optimizer.state[param][key].detach().clone()
     return truth
 
@@ -131,7 +145,7 @@ def engine_truth(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
 def save_engines(root: str) -> None:
     """DeepSpeed's own folders (``engine.save_checkpoint``) and, for ZeRO-1, a comm
     checkpoint folder of format ``deepspeed`` (``comm_zero1``), with the engines' truth."""
-    for kind in FP32 + BF16 + GROUPS:
+    for kind in FP32 + BF16 + GROUPS + SGD:
         model, optim = wrapped(kind)
         engine = model.model
         train(engine, range(2), torch.bfloat16 if kind.endswith("_bf16") else torch.float32)
@@ -210,6 +224,18 @@ def test_offline_reader_keeps_each_parameter_group(saved: Path, kind: str) -> No
         assert max_diff(moments, truth[key]) < 1e-6, key
 
 
+def test_offline_reader_takes_sgd_momentum(saved: Path) -> None:
+    truth = truth_of(saved, "zero2_sgd")
+    state = read_folder(saved / "zero2_sgd" / "global_step2")
+    assert max_diff(state.model, truth["params"]) == 0.0
+    assert state.optim is not None
+    assert {tuple(entry) for entry in state.optim["state"].values()} == {("momentum_buffer",)}
+    momentum = {name: entry["momentum_buffer"] for name, entry in state.optim["state"].items()}
+    assert max_diff(momentum, truth["momentum_buffer"]) == 0.0
+    [group] = state.optim["param_groups"]
+    assert (group["momentum"], group["lr"], group["params"]) == (0.9, 0.01, NAMES)
+
+
 @pytest.mark.parametrize("kind", BF16)
 def test_bf16_masters_come_out_fp32_exact_not_the_bf16_copy(saved: Path, kind: str) -> None:
     truth = truth_of(saved, kind)
@@ -237,7 +263,7 @@ def load_universal(cases: list[tuple[str, str, str]]) -> list[dict[str, float]]:
         got = engine_truth(engine)
         if kind.endswith("_groups"):
             got.update(flat_moments(engine))
-        diffs = {key: max_diff(got[key], truth[key]) for key in ("params", *MOMENTS)}
+        diffs = {key: max_diff(got[key], truth[key]) for key in ("params", *state_keys(kind))}
         if kind.endswith("_groups"):  # the source's moments came from the oracle
             diffs.update({key: float(diffs[key] >= 1e-6) for key in MOMENTS})
         groups = engine.optimizer.param_groups
@@ -257,17 +283,18 @@ def load_universal(cases: list[tuple[str, str, str]]) -> list[dict[str, float]]:
 def one_more_step(
     truth: dict[str, dict[str, torch.Tensor]], kind: str, world: int
 ) -> dict[str, torch.Tensor]:
-    """Plain torch: the saved weights and AdamW state (step 2), one step on the global
+    """Plain torch: the saved weights and optimizer state (step 2), one step on the global
     batch of step 2 at ``world`` ranks."""
     module = Net()
     named = dict(module.named_parameters())
     with torch.no_grad():
         for name, param in named.items():
             param.copy_(truth["params"][name])
-    optimizer = adamw(module, kind, 0.01)
+    optimizer = optimizer_of(module, kind, 0.01)
     for name, param in named.items():
-        optimizer.state[param] = {"step": torch.tensor(2.0)}
-        optimizer.state[param].update({key: truth[key][name].clone() for key in MOMENTS})
+        optimizer.state[param] = {key: truth[key][name].clone() for key in state_keys(kind)}
+        if not kind.endswith("_sgd"):  # torch's SGD keeps no step
+            optimizer.state[param]["step"] = torch.tensor(2.0)
     inputs, targets = global_batch(2, 0, world)
     module(inputs, targets, mode="loss")["loss"].backward()
     optimizer.step()
@@ -293,9 +320,9 @@ def flat_moments(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def universal(saved: Path) -> Path:
-    """The ZeRO-2 (one and two parameter groups) and the bf16 ZeRO-3 folders (world 2)
-    converted to DeepSpeed's universal layout, offline."""
-    for kind in ("zero2", "zero3_bf16", "zero2_groups"):
+    """The ZeRO-2 (AdamW in one and two parameter groups, SGD) and the bf16 ZeRO-3 folders
+    (world 2) converted to DeepSpeed's universal layout, offline."""
+    for kind in ("zero2", "zero3_bf16", "zero2_groups", "zero2_sgd"):
         folder = convert_checkpoint(saved / kind, saved / "universal" / kind, to="deepspeed")
         assert (folder / "latest_universal").read_text() == "universal"
     return saved / "universal"
@@ -304,7 +331,7 @@ def universal(saved: Path) -> Path:
 @pytest.mark.parametrize(
     ("world", "cases"),
     [
-        (1, [("zero2", "zero3"), ("zero2_groups", "zero1_groups")]),
+        (1, [("zero2", "zero3"), ("zero2_groups", "zero1_groups"), ("zero2_sgd", "zero1_sgd")]),
         (3, [("zero2", "zero1")]),
         (2, [("zero2", "zero0"), ("zero3_bf16", "zero2")]),
     ],
@@ -344,7 +371,7 @@ def test_universal_folder_reads_back_offline(saved: Path, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("to", ["full", "sharded"])
 @pytest.mark.parametrize("kind", ["zero1", "zero3_bf16"])
-def test_full_and_sharded_load_into_a_plain_module_with_adamw(
+def test_full_and_sharded_load_into_a_plain_module_with_optimizer_of(
     saved: Path, tmp_path: Path, to: str, kind: str
 ) -> None:
     truth = truth_of(saved, kind)
