@@ -17,6 +17,7 @@ import torch.distributed as torch_dist
 from comm_core import get_comm_device, get_world_size
 
 from ._agree import agree
+from ._buffers import empty_bytes
 from ._faults import transport
 from ._frame import REDUCE_OPS, Peer, inline_payloads
 from ._modes import local_fault
@@ -291,7 +292,11 @@ def start_backend_reduce(
             work = first.detach().view(-1)
         else:
             flats = [p.detach().reshape(-1).to(device=device, dtype=wire) for p in parts]
-            work = flats[0].clone() if len(flats) == 1 else torch.cat(flats)
+            if len(flats) == 1:  # a cached buffer: no page faults on a fresh allocation
+                nbytes = flats[0].numel() * flats[0].element_size()
+                work = empty_bytes(nbytes, device).view(wire).copy_(flats[0])
+            else:
+                work = torch.cat(flats)
     except Exception as exc:
         if vote is None:
             raise
