@@ -4,7 +4,9 @@ The barrier is the handshake alone: each rank sends a header saying it is in ``b
 so a rank that is in another collective makes every rank raise a
 [`CollectiveMismatchError`][comm_core.CollectiveMismatchError] (with the call sites in
 debug mode) instead of the two calls waiting for each other. With ``async_op=True`` the
-header goes out at the call and the check happens at ``wait()``. Inside
+header goes out at the call and the check happens at ``wait()``. Under nccl (the headers
+on the CPU twin) the backend's own barrier follows the check, so work queued on the device
+is done too, as with torch's barrier. Inside
 [`unchecked`][comm_collectives.unchecked] it is the backend's own barrier.
 """
 
@@ -18,6 +20,7 @@ from ._faults import transport
 from ._frame import Header
 from ._handshake import start_handshake
 from ._modes import checks_enabled, local_fault
+from ._route import header_route
 from .groups import not_member
 from .work import Work, completed_work
 
@@ -63,8 +66,13 @@ def barrier(group: torch_dist.ProcessGroup | None = None, async_op: bool = False
     pending = start_handshake(Header("barrier", error=error), group, varying=False)
     hint = "every rank must make the same sequence of collective calls."
 
+    on_device = header_route(group)[0] is not group  # nccl: headers on the CPU twin
+
     def check() -> None:
         pending.result(hint=hint)
+        if on_device:  # and the backend's barrier: the device's queued work is done too
+            with transport("barrier", group):
+                torch_dist.barrier(group=group)
 
     if not async_op:
         check()
