@@ -14,6 +14,15 @@ one MLP under every engine, two ways each:
   DeepSpeed 0.19) against comm's ``DDPStrategy``, both running the same MMEngine
   ``BaseModel``'s ``train_step``.
 
+A second world of four gloo ranks measures ``model_parallel`` (data parallel 2 x tensor
+parallel 2: the MLP's first two layers split by columns then rows, ``fully_shard`` over the
+data-parallel dimension): the step of ``ModelParallelStrategy`` against the same torch
+calls by hand (``init_device_mesh``, ``parallelize_module``, ``fully_shard``, the same
+plan and mesh shape), and its checkpoint save and resume (model, AdamW state) against
+raw torch distributed checkpoint (``get_state_dict``, ``dcp.save``; ``dcp.load``,
+``set_state_dict``). Four ranks share this machine's cores: the ratios matter more than
+the times.
+
 Every implementation trains its own copy of the same initial weights on the same batches
 with AdamW. A sample times several steps back to back (the time shown is per step; each
 sample is the slowest rank's wall time); the order of the implementations rotates from
@@ -256,6 +265,141 @@ def run_rank(smoke: bool, repeats: int, steps: int, bind: bool) -> dict[str, Any
     return {"rows": rows, "skipped": skipped}
 
 
+MP_PLAN_RAW = {"0": "colwise", "2": "rowwise"}  # make_net's Sequential: layers 0 and 2
+
+
+def _mp_plan(prefix: str) -> Callable[[nn.Module, Any], None]:
+    def plan(model: nn.Module, mesh: Any) -> None:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        layers = {prefix + name: styles[style]() for name, style in MP_PLAN_RAW.items()}
+        parallelize_module(model, mesh["tensor_parallel"], layers)
+
+    return plan
+
+
+def mp_raw() -> tuple[Step, nn.Module, torch.optim.Optimizer]:
+    """The same torch calls by hand: mesh, tensor-parallel plan, fully_shard, AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    net = make_net()
+    _mp_plan("")(net, mesh)
+    fully_shard(net, mesh=mesh["data_parallel"])
+    optimizer = adamw(net.parameters())
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        loss = nn.functional.mse_loss(net(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, net, optimizer
+
+
+def mp_comm() -> tuple[Step, Any]:
+    from comm_strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(
+        parallelize_fn=_mp_plan("net."), tensor_parallel_size=2, seed=0
+    )
+    model, optim, _ = strategy.prepare(
+        Model(), optim_wrapper={"optimizer": {"type": "AdamW", "lr": 1e-3}}
+    )
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        with optim.optim_context(model):
+            loss = model(batch[0], batch[1], mode="loss")["loss"]
+        optim.update_params(loss)
+
+    return step, strategy
+
+
+def _mp_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tensor-parallel pairs (ranks 0-1, 2-3) share their batches."""
+    generator = torch.Generator().manual_seed(torch_dist.get_rank() // 2)
+    return [
+        (torch.randn(BATCH, 128, generator=generator), torch.randn(BATCH, 16, generator=generator))
+        for _ in range(count)
+    ]
+
+
+def _timed(action: Callable[[], Any]) -> float:
+    torch_dist.barrier()
+    start = time.perf_counter()
+    action()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    torch_dist.all_reduce(elapsed, op=torch_dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def run_mp_rank(smoke: bool, repeats: int, steps: int, bind: bool, root: str) -> dict[str, Any]:
+    """model_parallel on 4 ranks: the step, then checkpoint save and load, comm vs raw."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    bind_to_cores(bind)
+    raw_step, raw_net, raw_optim = mp_raw()
+    comm_step, strategy = mp_comm()
+    batches = _mp_batches(steps)
+    steps_of: dict[str, list[float]] = {"raw": [], "comm": []}
+    saves: dict[str, list[float]] = {"raw": [], "comm": []}
+    loads: dict[str, list[float]] = {"raw": [], "comm": []}
+
+    def raw_save(path: str) -> None:
+        model_state, optim_state = get_state_dict(raw_net, raw_optim)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+    def raw_load(path: str) -> None:
+        model_state, optim_state = get_state_dict(raw_net, raw_optim)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            raw_net, raw_optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+    impls: dict[str, tuple[Step, Callable[[str], Any], Callable[[str], Any]]] = {
+        "raw": (raw_step, raw_save, raw_load),
+        "comm": (comm_step, lambda path: strategy.save_checkpoint(path), strategy.resume),
+    }
+    # The smoke run checks the script: one timed repeat after the first (untimed) one.
+    for repeat in range(-1 if smoke else -2, 1 if smoke else repeats):
+        order = list(impls)
+        order = order[repeat % 2 :] + order[: repeat % 2]
+        for impl in order:
+            step, save, load = impls[impl]
+            value = _sample(step, batches)
+            path = f"{root}/{impl}-{repeat + 2}"
+            saved = _timed(lambda save=save, path=path: save(path))  # type: ignore[misc]
+            loaded = _timed(lambda load=load, path=path: load(path))  # type: ignore[misc]
+            if repeat >= 0:
+                steps_of[impl].append(value)
+                saves[impl].append(saved)
+                loads[impl].append(loaded)
+    rows = {}
+    for name, values in (
+        ("step", steps_of),
+        ("checkpoint save", saves),
+        ("checkpoint load", loads),
+    ):
+        ratios = [c / b for c, b in zip(values["comm"], values["raw"])]
+        rows[f"model_parallel 2x2, {name}"] = {
+            "base": "raw (by hand)" if name == "step" else "raw DCP",
+            "base_ms": 1000 * statistics.median(values["raw"]),
+            "comm_ms": 1000 * statistics.median(values["comm"]),
+            "ratio": statistics.median(ratios),
+        }
+    return {"rows": rows, "skipped": {}}
+
+
 def to_markdown(result: dict[str, Any], repeats: int, steps: int) -> str:
     lines = [
         f"World of 2 gloo ranks, MLP 128-{HIDDEN}-{HIDDEN}-16, batch {BATCH} per rank, AdamW; "
@@ -271,6 +415,23 @@ def to_markdown(result: dict[str, Any], repeats: int, steps: int) -> str:
         )
     for name, reason in result["skipped"].items():
         lines.append(f"| {name} | skipped: {reason} | | | |")
+    mp = result.get("model_parallel")
+    if mp:
+        lines += [
+            "",
+            f"World of 4 gloo ranks (data parallel 2 x tensor parallel 2), the same MLP, "
+            f"batch {BATCH} per data-parallel rank, AdamW; {repeats} interleaved repeats "
+            f"(steps: {steps} per sample; checkpoints: model and AdamW state, ms per save or "
+            "load), medians.",
+            "",
+            "| case | baseline | baseline ms | comm ms | comm / baseline |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for name, row in mp["rows"].items():
+            lines.append(
+                f"| {name} | {row['base']} | {row['base_ms']:.2f} | {row['comm_ms']:.2f} | "
+                f"{row['ratio']:.3f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -294,10 +455,17 @@ def main() -> int:
             pass
     # The ranks import this file as a module (its folder is on their sys.path) to find
     # the function by name.
-    from bench_strategies import run_rank
+    from bench_strategies import run_mp_rank, run_rank
 
     with WorldPool(2, timeout=900, env=env) as pool:
         result = pool.run(run_rank, args.smoke, repeats, steps, not args.no_bind, timeout=900)[0]
+    with (
+        tempfile.TemporaryDirectory(prefix="comm-bench-mp-") as root,
+        WorldPool(4, timeout=900, env=env) as pool,
+    ):
+        result["model_parallel"] = pool.run(
+            run_mp_rank, args.smoke, repeats, steps, not args.no_bind, root, timeout=900
+        )[0]
     text = to_markdown(result, repeats, steps)
     print(text)
     if args.out is not None:
