@@ -102,9 +102,8 @@ class CommSeparateDistributedDataParallel(MMSeparateDistributedDataParallel):
         find_unused_parameters: bool = False,
         **kwargs: Any,
     ) -> None:
-        kwargs = _without_cpu_device_ids(module, kwargs)
-        if kwargs.get("device_ids", 0) is None:
-            kwargs.pop("device_ids")
+        if _module_on_cpu(module):
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("device_ids", "output_device")}
         super().__init__(
             module,
             broadcast_buffers=broadcast_buffers,
@@ -185,9 +184,9 @@ _MMENGINE_NAMES: dict[str, type] = {
     "MMFullyShardedDataParallel": CommFullyShardedDataParallel,
 }
 
-# comm's base wrappers, for MMEngine's ``is_model_wrapper``: kept in a child registry
-# (scope ``comm``: ``type="comm.MMDistributedDataParallel"`` names them in a config), so
-# the names MMEngine's own registry holds stay as they are.
+# comm's base wrappers (which a user may build by hand and pass to the Runner), for
+# MMEngine's ``is_model_wrapper``: kept in a child registry of scope ``comm`` so that the
+# names MMEngine's own registry holds stay as they are. Configs name the Comm* classes.
 _COMM_SCOPE = "comm"
 
 
@@ -267,6 +266,9 @@ def use_comm_wrappers(enable: bool = True) -> None:
         enable: Turn the opt-in on (True) or off (False). Repeating a state is a no-op.
 
     Examples:
+        >>> import contextlib, io
+        >>> with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's import notice
+        ...     import mmengine.runner
         >>> from comm_strategies.integrations.mmengine import use_comm_wrappers
         >>> use_comm_wrappers()
         >>> from mmengine.registry import MODEL_WRAPPERS
@@ -322,16 +324,14 @@ def _is_full_optimizer_state(state: Any) -> bool:
     groups = state.get("param_groups") if isinstance(state, Mapping) else None
     if not isinstance(groups, list) or not groups:
         return False
-    return all(
-        isinstance(name, str) for group in groups for name in group.get("params", [])
-    )
+    return all(isinstance(name, str) for group in groups for name in group.get("params", []))
 
 
 @HOOKS.register_module()
 class CommRunnerHook(Hook):  # type: ignore[misc]
     """What comm's wrappers need from MMEngine's classic ``Runner``, beside ``CheckpointHook``.
 
-    Add it with ``custom_hooks=[dict(type="CommRunnerHook")]``. It does two things:
+    Add it with ``custom_hooks=[dict(type="CommRunnerHook")]``. It does three things:
 
     - Checkpoints load with ``torch.load(weights_only=True)``: the runner's message hub
       (``HistoryBuffer`` objects, numpy values) is written as plain lists and numbers and
@@ -343,11 +343,17 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
       gathers the full model and optimizer state (torch's
       ``torch.distributed.checkpoint.state_dict``), rank 0 writes it under the usual
       ``state_dict`` / ``optimizer`` keys, and a resume loads it back into each rank's
-      shards, so training goes on as if it had never stopped.
+      shards, so training goes on as if it had never stopped. The runner's own step that
+      broadcasts ``model.module.state_dict()`` after ``init_weights`` (shards of different
+      sizes per rank) is skipped: the wrapper ran ``init_weights`` before sharding.
+    - `CommSeparateDistributedDataParallel` checkpoints carry the model's own parameter
+      names (the runner would write each child's ``.module.``, which its loader does not
+      expect).
 
-    Args:
-        priority: The hook's priority (default ``"LOWEST"``: it encodes what the other
-            hooks added to the checkpoint).
+    Its priority is ``"LOWEST"``: it encodes what the other hooks added to the
+    checkpoint. A checkpoint whose optimizer state was saved by an unsharded wrapper
+    (indexed by position) cannot resume a sharded one: that is a ``ValueError`` naming
+    the fix, instead of full-size state in each rank's shards.
     """
 
     priority = "LOWEST"
@@ -363,10 +369,10 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
         # the tensors of model.module.state_dict(), shards of different sizes per rank.
         runner._init_model_weights = lambda: None
         original = runner.save_checkpoint
-        parameters = inspect.signature(original).parameters
+        signature = inspect.signature(original)
 
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            bound = inspect.Signature(list(parameters.values())).bind_partial(*args, **kwargs)
+            bound = signature.bind_partial(*args, **kwargs)
             save_optimizer = bool(bound.arguments.get("save_optimizer", True))
             self._full = self._gather(runner, save_optimizer)
             try:
@@ -445,14 +451,22 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
             checkpoint["state_dict"] = dict(runner.model.module.state_dict())
         optim_wrapper = runner.optim_wrapper
         optim_state = checkpoint.get("optimizer")
-        if (
-            isinstance(optim_wrapper, OptimWrapper)
-            and isinstance(optim_state, dict)
-            and _is_full_optimizer_state(optim_state)
-        ):
-            set_optimizer_state_dict(root, optim_wrapper.optimizer, optim_state, options=options)
-            # The runner's resume loads ``optimizer`` next: this rank's state, as loaded.
-            checkpoint["optimizer"] = optim_wrapper.state_dict()
+        resuming = bool(getattr(runner, "_resume", True))  # load_from loads weights only
+        if not (resuming and isinstance(optim_wrapper, OptimWrapper)):
+            return
+        if not isinstance(optim_state, dict):
+            return
+        if not _is_full_optimizer_state(optim_state):
+            message = (
+                "CommRunnerHook: this checkpoint's optimizer state was saved by an unsharded "
+                f"wrapper (parameters by position), and {type(runner.model).__name__} is "
+                "sharded: resume it with the wrapper that saved it, or load the weights "
+                "only (load_from=..., resume=False)"
+            )
+            raise ValueError(message)
+        set_optimizer_state_dict(root, optim_wrapper.optimizer, optim_state, options=options)
+        # The runner's resume loads ``optimizer`` next: this rank's state, as loaded.
+        checkpoint["optimizer"] = optim_wrapper.state_dict()
 
 
 def _without_child_wrappers(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
