@@ -223,3 +223,18 @@ def test_the_train_loop_example_gives_the_single_process_losses(comm_pools: Any)
     by_rank = comm_pools.get(4).run(run_loop_in_world, ["model_parallel"], timeout=240)
     assert len(reference["single"]) == 3
     assert by_rank[0]["model_parallel"] == pytest.approx(reference["single"], abs=2e-4)
+
+
+def train_bf16() -> dict[str, Any]:
+    """dp 2 x tp 2 with FSDP2's bf16 policy (float32 reduction and master weights)."""
+    policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    options = {"tensor_parallel_size": 2, "model_wrapper": {"mixed_precision": policy}}
+    return train_case(options, "train_step")
+
+
+def test_mixed_precision_through_fsdp2_policy(comm_pools: Any) -> None:
+    # bf16 compute moves the result away from the float32 oracle by bf16's rounding only;
+    # the master weights stay float32.
+    for result in comm_pools.get(4).run(train_bf16, timeout=120):
+        assert 1e-6 < result["oracle"] < 2e-3, result
+        assert result["kind"] == "dtensor", result
