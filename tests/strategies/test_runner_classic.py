@@ -28,7 +28,11 @@ from tests.strategies.test_runner import SAMPLES, Accuracy, Classifier, Points
 WRAPPERS: list[dict[str, Any]] = [
     {"type": "CommDistributedDataParallel"},
     {"type": "CommSeparateDistributedDataParallel"},
-    {"type": "CommFullyShardedDataParallel"},
+    # Nested FSDP1 units: the runner's rank-0 state_dict() would gather on rank 0 alone.
+    {
+        "type": "CommFullyShardedDataParallel",
+        "auto_wrap_policy": {"type": "size_based_auto_wrap_policy", "min_num_params": 10},
+    },
     {"type": "CommFullyShardedDataParallel", "fsdp_version": 2},
 ]
 EPOCHS = 3

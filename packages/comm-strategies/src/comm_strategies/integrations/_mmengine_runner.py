@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -213,6 +214,7 @@ def _register() -> None:
     )
     if isinstance(deepspeed_wrapper, type):
         bases.append(deepspeed_wrapper)
+    HOOKS.register_module(module=CommRunnerHook, force=True)
     child = _comm_registry()
     for wrapper in bases:
         child.register_module(name=wrapper.__name__, module=wrapper, force=True)
@@ -327,7 +329,6 @@ def _is_full_optimizer_state(state: Any) -> bool:
     return all(isinstance(name, str) for group in groups for name in group.get("params", []))
 
 
-@HOOKS.register_module()
 class CommRunnerHook(Hook):  # type: ignore[misc]
     """What comm's wrappers need from MMEngine's classic ``Runner``, beside ``CheckpointHook``.
 
@@ -374,10 +375,16 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind_partial(*args, **kwargs)
             save_optimizer = bool(bound.arguments.get("save_optimizer", True))
-            self._full = self._gather(runner, save_optimizer)
+            self._full = gathered = self._gather(runner, save_optimizer)
+            # Rank 0 saves alone and calls model.module.state_dict(): on a sharded model
+            # that call may gather (nested FSDP1 units) while the other ranks train on.
+            # It gets the state gathered above instead, on every rank at once.
+            model = runner.model
+            runner.model = _GatheredModel(gathered[0])
             try:
                 return original(*args, **kwargs)
             finally:
+                runner.model = model
                 self._full = None
 
         # On this runner object only: MMEngine's class is not changed.
@@ -483,6 +490,19 @@ def _without_child_wrappers(model: nn.Module, state: Mapping[str, Any]) -> dict[
                 break
         out[key] = value
     return out
+
+
+class _GatheredModel:
+    """Stands for a sharded model during the runner's rank-0 save: its full state."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state gathered on every rank before the save (as ``Module.state_dict``)."""
+        state: Any = OrderedDict(self._state)
+        state._metadata = OrderedDict()  # MMEngine's weights_to_cpu reads it
+        return state  # type: ignore[no-any-return]
 
 
 def _strip_module(key: str) -> str:
