@@ -344,7 +344,8 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
       gathers the full model and optimizer state (torch's
       ``torch.distributed.checkpoint.state_dict``), rank 0 writes it under the usual
       ``state_dict`` / ``optimizer`` keys, and a resume loads it back into each rank's
-      shards, so training goes on as if it had never stopped. The runner's own step that
+      shards, so training goes on as if it had never stopped. During the rank-0 save
+      ``runner.model`` is a stand-in holding the gathered state. The runner's own step that
       broadcasts ``model.module.state_dict()`` after ``init_weights`` (shards of different
       sizes per rank) is skipped: the wrapper ran ``init_weights`` before sharding.
     - `CommSeparateDistributedDataParallel` checkpoints carry the model's own parameter
