@@ -90,13 +90,15 @@ def train(strategy: Any, model: nn.Module, optim: Any, schedulers: Any, steps: r
 
 
 def save_sources(root: str, layouts: list[str]) -> dict[str, str]:
-    """Train and save each layout; ``{layout: (format, backend kind)}``."""
+    """Train and save each layout (``-full``: in the full format); ``{layout: backend kind}``."""
     out: dict[str, str] = {}
-    for layout in layouts:
+    for source in layouts:
+        layout, _, form = source.partition("-")
         strategy, model, optim, schedulers = prepared(layout, seed=0)
         train(strategy, model, optim, schedulers, range(BEFORE))
-        strategy.save_checkpoint(f"{root}/{layout}", extra={"step": BEFORE})
-        out[layout] = backend_of(model).kind
+        sharded = False if form == "full" else None
+        strategy.save_checkpoint(f"{root}/{source}", extra={"step": BEFORE}, sharded=sharded)
+        out[source] = backend_of(model).kind
     return out
 
 
@@ -121,8 +123,9 @@ def resume(root: str, cases: list[tuple[str, str]]) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def saved(comm_pools: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("mp_ckpt"))
-    kinds = comm_pools.get(4).run(save_sources, root, ["dp2xtp2", "hsdp2x2"], timeout=240)
-    assert kinds[0] == {"dp2xtp2": "dtensor", "hsdp2x2": "dtensor"}
+    sources = ["dp2xtp2", "hsdp2x2", "dp2xtp2-full"]
+    kinds = comm_pools.get(4).run(save_sources, root, sources, timeout=240)
+    assert kinds[0] == dict.fromkeys(sources, "dtensor")
     comm_pools.get(2).run(save_sources, root, ["ddp"], timeout=120)
     comm_pools.get(1).run(save_sources, root, ["single"], timeout=120)
     return root
@@ -137,7 +140,7 @@ def check(results: list[dict[str, float]]) -> None:
 
 
 def test_2d_checkpoint_resumes_under_ddp_world_2(comm_pools: Any, saved: str) -> None:
-    cases = [("ddp", "dp2xtp2"), ("ddp", "hsdp2x2")]
+    cases = [("ddp", "dp2xtp2"), ("ddp", "hsdp2x2"), ("ddp", "dp2xtp2-full")]
     check(comm_pools.get(2).run(resume, saved, cases, timeout=240))
 
 
@@ -151,6 +154,7 @@ def test_ddp_and_single_checkpoints_resume_on_a_2d_mesh(comm_pools: Any, saved: 
         ("dp2xtp2", "single"),
         ("tp4", "dp2xtp2"),
         ("hsdp2x2", "dp2xtp2"),
+        ("tp4", "dp2xtp2-full"),
     ]
     check(comm_pools.get(4).run(resume, saved, cases, timeout=240))
 
@@ -163,3 +167,5 @@ def test_2d_manifest_describes_the_mesh(saved: str) -> None:
     assert manifest["world_size"] == 4
     assert manifest["wrapper"] == "dtensor"
     assert "tensor_parallel=2" in manifest["sharding"]
+    full = json.loads((Path(saved) / "dp2xtp2-full" / "manifest.json").read_text())
+    assert (manifest["format"], full["format"]) == ("dcp", "full")
