@@ -152,20 +152,6 @@ def split_folder(folder: Path) -> tuple[Path, str]:
     return folder, find_tag(folder)
 
 
-def require_unsafe(folder: Path, allow_unsafe_pickle: bool) -> None:
-    """Refuse a foreign DeepSpeed file that only full unpickling reads, without the opt-in.
-
-    DeepSpeed's ordinary files load with ``weights_only=True`` (`deepspeed_safe_globals`);
-    this is for files that hold other objects (a custom scheduler, a user's client state).
-    """
-    if not allow_unsafe_pickle:
-        message = (
-            f"{folder} holds objects beyond DeepSpeed's plain checkpoint records, which only "
-            f"load with full unpickling (torch.load(weights_only=False)). {UNSAFE_HINT}."
-        )
-        raise CheckpointError(message)
-
-
 def consolidate(folder: Path, *, allow_unsafe_pickle: bool) -> dict[str, torch.Tensor]:
     """One full fp32 state dict from a DeepSpeed checkpoint folder, offline (ZeRO 0-3).
 
