@@ -18,6 +18,8 @@ import comm_core as dist
 from comm_core import process_group
 from comm_core.testing import WorldPool
 
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
 
 def _sum_of_ranks(group: torch_dist.ProcessGroup | None) -> float:
     value = torch.tensor([float(torch_dist.get_rank())])
@@ -64,17 +66,29 @@ def forced_twins(store_path: str) -> dict[str, Any]:
                 out["non_member_size"] = str(exc)
         everyone = torch_dist.new_group([0, 1, 2])  # the groups of every rank still line up
         out["sum_after"] = _sum_of_ranks(everyone)
-        # rank 1 made the twin of [1, 2], rank 0 did not: they know different numbers of
-        # groups, so torch would name a twin of [0, 1] differently on each (a hang until
-        # the timeout); both get a clear error instead
+        # rank 1 made the twin of [1, 2], rank 0 did not: up to torch 2.13 they know
+        # different numbers of groups and torch would name a twin of [0, 1] differently on
+        # each (a hang until the timeout), so both get a clear error; from torch 2.14 on the
+        # name comes from the group counter, which the twin left alone, so the twin forms
         pair = torch_dist.new_group([0, 1])
         if rank in (0, 1):
             try:
-                dist.get_cpu_group(pair)
+                out["pair_twin_sum"] = _sum_of_ranks(dist.get_cpu_group(pair))
             except ValueError as exc:
                 out["uneven"] = str(exc)
         old = dist.get_cpu_group()
         out["default_twin_sum"] = _sum_of_ranks(old)
+        # a group rank 2 makes alone with local synchronisation makes it know one group more
+        # than rank 0 (and from torch 2.14 on advances its group counter): the twin of [0, 2]
+        # cannot form under one name; both members raise, nobody waits
+        other_pair = torch_dist.new_group([0, 2])
+        if rank == 2:
+            torch_dist.new_group([2], use_local_synchronization=True)
+        if rank in (0, 2):
+            try:
+                dist.get_cpu_group(other_pair)
+            except ValueError as exc:
+                out["user_uneven"] = str(exc)
         dist.destroy_dist()
         dist.init_dist("pytorch", "gloo", timeout=60, init_method=f"file://{store_path}")
         new = dist.get_cpu_group()
@@ -107,8 +121,17 @@ def test_twins_are_made_by_members_only_and_renewed_after_reinit(
         assert r["sub_twin_sum"] == 1 + 2
         assert r["sub_twin_reused"]
     for rank in (0, 1):
-        message = results[rank]["uneven"]
-        assert "the members of group [0, 1] know different numbers of process groups" in message
+        if _TORCH_VERSION >= (2, 14):
+            assert results[rank]["pair_twin_sum"] == 0 + 1
+        else:
+            message = results[rank]["uneven"]
+            assert "the members of group [0, 1] know different process groups" in message
+            assert "rank 0: " in message
+            assert "rank 1: " in message
+    for rank in (0, 2):
+        message = results[rank]["user_uneven"]
+        assert "the members of group [0, 2] know different process groups" in message
+        assert "would wait for each other" in message
     for r in results:
         assert r["sum_after"] == 0 + 1 + 2
         assert r["default_twin_sum"] == 0 + 1 + 2

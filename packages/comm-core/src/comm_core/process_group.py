@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -381,11 +382,13 @@ def get_cpu_group(
     - the twin of a smaller group is created by the members of ``group`` only (every one
       of them calls this at the same point of its program) with local synchronisation: the
       ranks outside take no part and the numbering of the groups every rank creates stays
-      the same. torch names such a group after its ranks and the number of groups the
-      creating rank knows, so the members must know as many groups (they created the same
-      groups, twins included); the members compare that number first and raise a
-      ValueError when it differs, instead of waiting for each other. Calling
-      ``get_cpu_group(group)`` on every member right after creating ``group`` is safe.
+      the same (torch 2.14 advances its group counter on the members of such a group only,
+      so every later ``new_group`` would hang; comm-core leaves the counter as it was). torch
+      names such a group after its ranks and a count of the creating rank (the groups it
+      knows up to torch 2.13, its group counter from 2.14 on), so the members must agree on
+      it; they compare the names first and raise a ValueError when they differ, instead of
+      waiting for each other. Calling ``get_cpu_group(group)`` on every member right after
+      creating ``group`` is safe.
 
     The twins belong to the default group: after [`destroy_dist`][comm_core.destroy_dist]
     (or ``torch.distributed.destroy_process_group``) and a new ``init_dist``, fresh twins
@@ -424,35 +427,72 @@ def get_cpu_group(
     twins = _cpu_twins.setdefault(owner, {})
     twin = twins.get(ranks)
     if twin is None or not _twin_alive(twin):
-        # the whole world's twin is made by every rank, in order; a smaller group's by its
-        # members only (its name then comes from its ranks, not from the group counter)
-        if not whole:
-            _check_same_group_count(group, ranks)
-        twin = torch_dist.new_group(
-            ranks=list(ranks), backend="gloo", use_local_synchronization=not whole
-        )
+        if whole:  # the whole world's twin is made by every rank, in order, like any group
+            twin = torch_dist.new_group(ranks=list(ranks), backend="gloo")
+        else:  # a smaller group's by its members only
+            with _members_only_naming():
+                _check_same_group_name(group, ranks)
+                twin = torch_dist.new_group(
+                    ranks=list(ranks), backend="gloo", use_local_synchronization=True
+                )
         twins[ranks] = twin
     return twin
 
 
-def _check_same_group_count(group: torch_dist.ProcessGroup | None, ranks: tuple[int, ...]) -> None:
-    """Raise on every member when they know different numbers of groups.
+# Added to torch's group counter while a twin is made by its members only: the twin's name
+# (salted with the counter from torch 2.14 on) then lies apart from the names of the groups
+# every rank creates.
+_TWIN_COUNT_OFFSET = 1 << 40
 
-    torch names a group created with local synchronisation from its ranks and from the
-    number of groups the creating rank knows; members that disagree on that number would
-    wait for each other under different names until the timeout.
+
+@contextlib.contextmanager
+def _members_only_naming() -> Iterator[None]:
+    """Leave torch's group counter as it was around the creation of a members-only group.
+
+    torch names a group created with local synchronisation after its ranks and a salt: the
+    number of groups the creating rank knows up to torch 2.13, the group counter from torch
+    2.14 on. torch 2.14 also advances that counter for such a group, on its members only;
+    the next group every rank creates (named after the counter) then gets one name on the
+    members and another on the others, and ``new_group`` waits under both names until the
+    timeout. The counter is restored afterwards, so making a twin leaves the numbering of
+    every rank's groups as it was; the twin is named from the counter plus an offset, apart
+    from every name the counter gives.
+    """
+    world = torch_dist.distributed_c10d._world
+    count = world.group_count
+    world.group_count = count + _TWIN_COUNT_OFFSET
+    try:
+        yield
+    finally:
+        world.group_count = count
+
+
+def _check_same_group_name(group: torch_dist.ProcessGroup | None, ranks: tuple[int, ...]) -> None:
+    """Raise on every member when the members would give the twin different names.
+
+    The name torch gives a group created with local synchronisation comes from its ranks
+    and a count of the creating rank (``_members_only_naming``); members that disagree on it
+    would wait for each other under different names until the timeout. The members compare
+    the names (a digest of each) before creating the twin.
     """
 
-    known = len(torch_dist.distributed_c10d._world.pg_names)
-    mine = torch.tensor([known], dtype=torch.int64, device=get_comm_device(group))
-    counts = [torch.zeros_like(mine) for _ in ranks]
-    torch_dist.all_gather(counts, mine, group=group)
-    table = [int(c.item()) for c in counts]
-    if len(set(table)) > 1:
-        listed = ", ".join(f"rank {r}: {n}" for r, n in zip(ranks, table))
+    c10d = torch_dist.distributed_c10d
+    name = str(c10d._hash_ranks_to_str(list(ranks)))
+    known = len(c10d._world.pg_names)
+    made = c10d._world.group_count - _TWIN_COUNT_OFFSET
+    mine = torch.tensor(
+        [int(name[:15], 16), known, made], dtype=torch.int64, device=get_comm_device(group)
+    )
+    rows = [torch.zeros_like(mine) for _ in ranks]
+    torch_dist.all_gather(rows, mine, group=group)
+    table = [[int(v) for v in row.tolist()] for row in rows]
+    if len({row[0] for row in table}) > 1:
+        listed = ", ".join(
+            f"rank {r}: {row[1]} known, group counter {row[2]}" for r, row in zip(ranks, table)
+        )
         message = (
-            f"get_cpu_group: the members of group {list(ranks)} know different numbers of "
-            f"process groups ({listed}), so torch would give their CPU twin different names "
+            f"get_cpu_group: the members of group {list(ranks)} know different process "
+            f"groups ({listed}), so torch would give their CPU twin different names "
             "and they would wait for each other. Create the groups, and call collect_results "
             "or get_cpu_group on them, in the same order on every member; or call "
             "get_cpu_group(group) on every member right after creating the group."
