@@ -467,3 +467,25 @@ def test_a_tensor_parallel_folder_is_refused_by_name(saved: Path, tmp_path: Path
     shutil.copy(folder / "mp_rank_00_model_states.pt", folder / "mp_rank_01_model_states.pt")
     with pytest.raises(CheckpointError, match="tensor-, pipeline- or expert-parallel save"):
         read_folder(folder)
+
+
+class ClientObject:
+    """A user's object in DeepSpeed's client state: not one of DeepSpeed's plain records."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_a_file_holding_other_objects_needs_the_opt_in(saved: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "client"
+    shutil.copytree(saved / "zero1" / "global_step2", folder)
+    states = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)
+    states["client"] = ClientObject(3)  # engine.save_checkpoint(client_state={...}) does this
+    torch.save(states, folder / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError) as refused:
+        read_folder(folder)
+    assert "allow_unsafe_pickle=True" in str(refused.value)
+    assert "ClientObject" in str(refused.value)  # names what was refused
+    truth = truth_of(saved, "zero1")
+    state = read_folder(folder, allow_unsafe_pickle=True)
+    assert max_diff(state.model, truth["params"]) == 0.0
