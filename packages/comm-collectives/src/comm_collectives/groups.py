@@ -118,5 +118,7 @@ def new_group(
         member_ranks = members if members is not None else list(range(torch_dist.get_world_size()))
         twins[group] = twin
         owner = torch_dist.distributed_c10d._get_default_group()
-        process_group._cpu_twins.setdefault(owner, {})[tuple(member_ranks)] = twin
+        # comm-core's table too (get_cpu_group): never replacing a twin it already has (the
+        # default group's, for a group of every rank)
+        process_group._cpu_twins.setdefault(owner, {}).setdefault(tuple(member_ranks), twin)
     return cast(torch_dist.ProcessGroup, group)
