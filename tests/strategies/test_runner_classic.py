@@ -167,12 +167,21 @@ def run_opt_in() -> dict[str, Any]:
     out["reference"] = _state(reference)
     integration.use_comm_wrappers()
     try:
-        for label, wrapper in (("named", {"type": "MMDistributedDataParallel"}), ("default", None)):
+        for label, wrapper in (
+            ("named", {"type": "MMDistributedDataParallel"}),
+            ("default", None),
+            ("fsdp", {"type": "MMFullyShardedDataParallel"}),
+        ):
             runner = _runner(f"{folder}/{label}", 1, wrapper=wrapper)
             runner.train()
             out[label] = _state(runner)
     finally:
         integration.use_comm_wrappers(False)
+    # A sharded wrapper cannot resume the optimizer state DDP saved (by position).
+    sharded = _runner(
+        f"{folder}/reference", 2, wrapper={"type": "CommFullyShardedDataParallel"}, resume=True
+    )
+    out["sharded_from_ddp"] = caught(sharded.train)
     # is_model_wrapper both ways, on live wrappers.
     mmengine_ddp = MMEngineDDP(torch.nn.Linear(2, 2), device_ids=None)
     comm_ddp = comm_wrappers.MMDistributedDataParallel(torch.nn.Linear(2, 2))
@@ -199,6 +208,12 @@ def test_the_opt_in_runs_a_config_naming_mmengine_wrappers_on_cpu_with_comms(
         assert result["default"]["wrapper"] == "CommDistributedDataParallel"
         for label in ("named", "default"):
             assert result[label]["params"] == result["reference"]["params"], label
+        assert result["fsdp"]["wrapper"] == "CommFullyShardedDataParallel"
+        for name, value in result["fsdp"]["params"].items():
+            assert value == pytest.approx(result["reference"]["params"][name], abs=1e-6), name
+        error_type, message = result["sharded_from_ddp"]
+        assert error_type == "ValueError", result["sharded_from_ddp"]
+        assert "saved by an unsharded wrapper" in message, message
         assert result["mmengine_knows"] == [True, True, True, True]
         assert result["comm_knows"]
         assert result["comm_unwraps"]
