@@ -211,6 +211,10 @@ def new_group_cases(twin: bool) -> dict[str, Any]:
         else:
             out["recv"] = dist.recv(torch.zeros(1), 0, group)  # not a member: -1, as torch
             out["irecv_done"] = dist.irecv(torch.zeros(1), 0, group).is_completed()
+        whole = dist.new_group()  # every rank: (with twin) beside the default group's twin
+        w = torch.tensor([float(rank)])
+        dist.all_reduce(w, group=whole)
+        out["whole"] = w.item()
         out["bad_ranks"] = caught(dist.new_group, [0, 5])
         return out
     finally:
@@ -239,5 +243,6 @@ def test_new_group_members_and_non_members(comm_run_distributed: Any, twin: bool
     assert outsider["recv"] == -1
     assert outsider["irecv_done"] is True
     for r in results:
+        assert r["whole"] == 3.0  # 0 + 1 + 2
         assert r["bad_ranks"][0] == "ValueError"
         assert "rank 5 is not a rank of the default group (0..2)" in r["bad_ranks"][1]
