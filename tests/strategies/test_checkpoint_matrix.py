@@ -243,3 +243,68 @@ def test_bf16_engines_move_their_fp32_masters_exactly(comm_pools: Any, tmp_path:
     assert saved["masters_are_not_the_bf16_copy"] > 1e-6  # else the test proves nothing
     for result in comm_pools.get(3).run(bf16_masters, root, 2, timeout=300):
         assert result == {"into_fp32_ddp": 0.0, "into_bf16_engine": 0.0}
+
+
+def two_groups(root: str, role: str) -> dict[str, float]:
+    """Two parameter groups (the head at another learning rate), AdamW: saved under ZeRO-1,
+    ZeRO-2 and DDP at world 2, resumed under ZeRO-3, DDP and ZeRO-2 at worlds 1 and 3."""
+
+    def grouped(kind: str, seed: int) -> tuple[Any, Any]:
+        module = net(seed)
+        body = [p for n, p in module.named_parameters() if not n.startswith("head")]
+        groups = [{"params": body}, {"params": list(module.head.parameters()), "lr": 0.03}]
+        optimizer = torch.optim.AdamW(groups, lr=0.01, weight_decay=0.01)
+        if kind.startswith("zero"):
+            from comm_wrappers.deepspeed import initialize
+
+            config = {
+                "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+                "zero_optimization": {"stage": int(kind[-1])},
+                "gradient_clipping": 0.0,
+            }
+            return initialize(module, config, optimizer)
+        return MMDistributedDataParallel(module), OptimWrapper(optimizer)
+
+    def run(kind: str, model: Any, optim: Any, steps: range) -> None:
+        for step in steps:
+            data = my_share(step, kind)
+            if kind.startswith("zero"):
+                model.train_step(data, optim)
+            else:
+                optim.update_params(model(*data, mode="loss")["loss"])
+
+    out: dict[str, float] = {}
+    if role == "save":
+        for kind in ("zero1", "zero2", "ddp"):
+            model, optim = grouped(kind, 0)
+            run(kind, model, optim, range(BEFORE))
+            save_checkpoint(f"{root}/{kind}", model=model, optim_wrapper=optim, strategy="x")
+        return out
+    reference = net(0)
+    body = [p for n, p in reference.named_parameters() if not n.startswith("head")]
+    optimizer = torch.optim.AdamW(
+        [{"params": body}, {"params": list(reference.head.parameters()), "lr": 0.03}],
+        lr=0.01,
+        weight_decay=0.01,
+    )
+    for step in range(BEFORE + AFTER):
+        inputs, targets = global_batch(step)
+        reference(inputs, targets, mode="loss")["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = full_params(reference)
+    for target in ("zero3", "ddp", "zero2"):
+        for source in ("zero1", "zero2", "ddp"):
+            model, optim = grouped(target, 5)
+            load_checkpoint(f"{root}/{source}", model=model, optim_wrapper=optim)
+            run(target, model, optim, range(BEFORE, BEFORE + AFTER))
+            out[f"{target}<-{source}"] = max_diff(full_params(model), expected)
+    return out
+
+
+def test_parameter_groups_keep_their_own_hyperparameters(comm_pools: Any, tmp_path: Any) -> None:
+    comm_pools.get(2).run(two_groups, str(tmp_path), "save", timeout=300)
+    for world in (1, 3):
+        for result in comm_pools.get(world).run(two_groups, str(tmp_path), "load", timeout=300):
+            assert len(result) == 9
+            assert all(diff <= TOLERANCE for diff in result.values()), (world, result)

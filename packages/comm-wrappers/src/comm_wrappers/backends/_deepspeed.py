@@ -136,6 +136,20 @@ class DeepSpeedBackend(Backend):
                 ]
         return None
 
+    def _relink(self) -> None:
+        """Point every parameter's fragment at its group's optimizer state (ZeRO 1-2, bf16).
+
+        DeepSpeed links them once, after the first step of the first group: a second
+        group's state did not exist yet then, and its moments stay unreachable through
+        the per-parameter API ("exp_avg not found in optimizer state fragment", 0.19.8).
+        ZeRO-3 reads the optimizer's state directly and needs no link.
+        """
+        zero = self.engine.optimizer
+        relink = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
+        if callable(relink):
+            zero._hp_optimizer_states_linked = False
+            relink()
+
     def _base_optimizer(self) -> Optimizer:
         """The torch optimizer that steps the flat partitions."""
         zero = self.engine.optimizer
@@ -242,6 +256,8 @@ class DeepSpeedBackend(Backend):
         keep = not rank0_only or get_rank() == 0
         base = self._base_optimizer()
         names = self._names()
+        if base.state:
+            self._relink()
         out_groups = [
             {**{k: v for k, v in group.items() if k != "params"}, "params": []}
             for group in base.param_groups
@@ -304,10 +320,7 @@ class DeepSpeedBackend(Backend):
                 **{k: _copy(v) for k, v in sample.items() if k not in keys},
                 **{k: torch.zeros_like(flat) for k in keys},
             }
-        relink = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-        if callable(relink):  # ZeRO 1-2, bf16: point the parameters at the new state
-            self.engine.optimizer._hp_optimizer_states_linked = False
-            relink()
+        self._relink()  # ZeRO 1-2, bf16: point the parameters at the new state
         with torch.no_grad():
             for _, flat, params in groups:
                 keys = _element_keys(base.state.get(flat, {}), flat)
