@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from types import TracebackType
@@ -220,11 +220,19 @@ class WorldPool:
         states, details = self._collect(self.start_timeout)
         if any(state != "ready" for state in states):
             reports = self._reports(states, details, ok_state="ready")
-            self.close()
+            self._stop(stuck=[r.rank for r in reports if r.state == "stuck"])
             raise RanksFailedError("starting the world", self.world_size, reports)
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and remove the private folder."""
+        self._stop(stuck=())
+
+    def _stop(self, stuck: Collection[int]) -> None:
+        """Stop the ranks; those in ``stuck`` (blocked, they would not read a stop message)
+        are killed at once instead of after the 5 s a rank gets to leave by itself."""
+        for rank in stuck:
+            if rank < len(self._processes) and self._processes[rank].poll() is None:
+                self._processes[rank].kill()
         for conn in self._conns:
             try:
                 conn.send(None)
@@ -280,7 +288,7 @@ class WorldPool:
         if all(state == "ok" for state in states):
             return details
         reports = self._reports(states, details, ok_state="ok")
-        self.close()
+        self._stop(stuck=[r.rank for r in reports if r.state == "stuck"])
         name = getattr(function, "__qualname__", repr(function))
         raise RanksFailedError(name, self.world_size, reports)
 
