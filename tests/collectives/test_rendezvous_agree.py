@@ -90,6 +90,51 @@ def test_a_rank_that_does_not_call_rendezvous_is_named_within_the_timeout(
     assert results[1] == {}
 
 
+def arrive_after_the_give_up(key: str) -> dict[str, Any]:
+    """Rank 0 gives the exchange up after 1 s (its key stays: no withdrawal); rank 1 arrives
+    at 2 s and finds every key posted. It must raise, not go on alone with rank 0 gone."""
+    out: dict[str, Any] = {}
+    if dist.get_rank() == 1:
+        time.sleep(2.0)
+    try:
+        out["values"] = dist.rendezvous(
+            key, f"v{dist.get_rank()}", timeout=1.0 + 4.0 * dist.get_rank()
+        )
+    except CommTimeoutError as exc:
+        out["message"] = str(exc)
+        out["missing"] = exc.missing  # type: ignore[attr-defined]
+    return out
+
+
+def test_a_rank_arriving_after_another_gave_up_raises_instead_of_going_on_alone(
+    comm_run_distributed: Any,
+) -> None:
+    key = f"test/{uuid.uuid4().hex}"
+    first, late = comm_run_distributed(arrive_after_the_give_up, key)
+    assert first["missing"] == [1]
+    assert "values" not in late, late  # before the compare-and-set it returned both values
+    assert "another rank's timeout ran out first" in late["message"]
+    assert late["missing"] == [0]
+
+
+def alone_then_together(key: str) -> dict[str, Any]:
+    """Rank 0 calls alone and withdraws at its timeout; then both ranks call with the same
+    key (a call number given back): the exchange starts afresh and completes."""
+    out: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        with pytest.raises(CommTimeoutError):
+            dist.rendezvous(key, "alone", timeout=0.5, withdraw_on_timeout=True)
+    dist.barrier()
+    out["values"] = dist.rendezvous(key, f"v{dist.get_rank()}", timeout=5.0)
+    return out
+
+
+def test_a_key_withdrawn_at_a_timeout_serves_the_next_exchange(comm_run_distributed: Any) -> None:
+    key = f"test/{uuid.uuid4().hex}"
+    for result in comm_run_distributed(alone_then_together, key):
+        assert result["values"] == ["v0", "v1"]
+
+
 @pytest.mark.parametrize("timeout", [0, -1.0, math.inf, math.nan, "3"])
 def test_rendezvous_and_agree_reject_a_timeout_that_bounds_nothing(timeout: Any) -> None:
     with pytest.raises(ValueError, match="rendezvous: timeout must be a positive, finite"):

@@ -93,9 +93,9 @@ def rendezvous(
         value: This rank's string.
         timeout: How long to wait for the other ranks, in seconds (positive, finite).
         group: The ranks that take part; the default group when None.
-        withdraw_on_timeout: Delete this rank's key before raising the timeout, so a call
-            made by one rank alone leaves nothing behind that a later call with the same
-            key could take for its partner.
+        withdraw_on_timeout: Delete this rank's key before raising the timeout, and start
+            a later call with the same key afresh, so a call made by one rank alone leaves
+            nothing behind that a later call could take for its partner.
 
     Returns:
         Every rank's value, index = rank in ``group``; ``[value]`` without a process group
@@ -105,7 +105,9 @@ def rendezvous(
         TypeError: ``key`` or ``value`` is not a string.
         ValueError: ``timeout`` is not a positive, finite number of seconds.
         CommTimeoutError: Some rank did not post within ``timeout``; its ``missing``
-            attribute lists those ranks (in ``group``).
+            attribute lists those ranks (in ``group``). Also on a rank that arrives just
+            after another gave the exchange up at its timeout (the exchange's outcome is set
+            once, by compare-and-set on the store): it never goes on alone.
 
     Examples:
         >>> import comm_collectives as dist
@@ -121,13 +123,22 @@ def rendezvous(
     if world == 1:
         return [value]
     me = get_rank(group)
-    keys = [f"{key}/{rank}" for rank in range(world)]
     store = default_store()
+    generation = _settle(store, f"{key}/generation", "0")
+    base = key if generation == "0" else f"{key}/{generation}"
+    keys = [f"{base}/{rank}" for rank in range(world)]
     # surrogateescape: a path read from the filesystem may hold bytes that are not UTF-8
     missing = post_and_wait(store, keys, me, value.encode(_ENCODING, "surrogateescape"), timeout)
+    # One outcome per exchange, set once (compare-and-set): "done" by the first rank that
+    # saw every key, "withdrawn" by the first that gave up. A rank that arrives as another
+    # gives up either finds "withdrawn" and raises, or completed the exchange first.
+    outcome = _settle(store, f"{base}/outcome", "withdrawn" if missing else "done")
+    if outcome == "done":
+        return [bytes(store.get(k)).decode(_ENCODING, "surrogateescape") for k in keys]
+    if missing and withdraw_on_timeout:  # a later exchange with this key starts afresh
+        _settle(store, f"{key}/generation", str(int(generation) + 1), expected=generation)
+        _withdraw(store, keys[me])
     if missing:
-        if withdraw_on_timeout:
-            _withdraw(store, keys[me])
         message = (
             f"rendezvous {key!r} on rank {me} of {world}: rank(s) "
             f"{', '.join(map(str, missing))} did not post within {timeout:g} s. Every rank of "
@@ -135,10 +146,23 @@ def rendezvous(
             "ranks, not under `if rank == 0`. If the other ranks are only slow, raise the "
             "timeout."
         )
-        error = CommTimeoutError(message)
-        error.missing = missing  # type: ignore[attr-defined]
-        raise error
-    return [bytes(store.get(k)).decode(_ENCODING, "surrogateescape") for k in keys]
+    else:
+        missing = [rank for rank in range(world) if rank != me]
+        message = (
+            f"rendezvous {key!r} on rank {me} of {world}: every rank had posted, but another "
+            f"rank's timeout ran out first and it gave the exchange up; this rank arrived too "
+            "late to join it. Every rank of the group must call rendezvous within the "
+            "timeout: raise the timeout if the ranks are only slow."
+        )
+    error = CommTimeoutError(message)
+    error.missing = missing  # type: ignore[attr-defined]
+    raise error
+
+
+def _settle(store: Store, key: str, desired: str, *, expected: str = "") -> str:
+    """Compare-and-set ``key`` from ``expected`` ("": absent) to ``desired``; return what it
+    holds afterwards (``desired`` when this call set it, else the value another rank set)."""
+    return bytes(store.compare_set(key, expected, desired)).decode(_ENCODING)
 
 
 def _withdraw(store: Store, key: str) -> None:
