@@ -20,6 +20,7 @@ from torch import nn
 import comm_collectives as dist
 
 from . import checkpoint
+from ._activation import apply_activation_checkpointing, coerce_activation_checkpointing
 from ._build import (
     build_optim_wrapper,
     build_schedulers,
@@ -75,6 +76,8 @@ class Strategy:
         deterministic: Use deterministic algorithms (``torch.use_deterministic_algorithms``).
         keep_last: The default of `save_checkpoint`'s ``keep_last``: after each save, keep
             only the newest N complete checkpoints beside it; None keeps them all.
+        activation_checkpointing: Module classes (a set) whose submodules recompute their
+            activations in the backward, applied by `prepare` before wrapping.
 
     Attributes:
         model: The prepared model (None before `prepare`).
@@ -98,6 +101,7 @@ class Strategy:
         diff_rank_seed: bool = False,
         deterministic: bool = False,
         keep_last: int | None = None,
+        activation_checkpointing: Any = None,
     ) -> None:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             message = f"seed must be an int or None, got {seed!r}"
@@ -111,6 +115,7 @@ class Strategy:
             message = f"keep_last must be at least 1 (None keeps every checkpoint), got {keep_last}"
             raise ValueError(message)
         self.keep_last = keep_last
+        self.activation_checkpointing = coerce_activation_checkpointing(activation_checkpointing)
         self._work_dir = None if work_dir is None else Path(work_dir)
         self.launcher = launcher
         self.backend = backend
@@ -253,6 +258,7 @@ class Strategy:
         dispatch = dict(dispatch_kwargs or {})
         self.setup_env()
         module = self._build_model(model)
+        apply_activation_checkpointing(module, self.activation_checkpointing)
         names = trainable_names(module)
         schedulers_in = _built_schedulers(param_scheduler)
         context = SetupContext(names, schedulers_in, dispatch, compile)

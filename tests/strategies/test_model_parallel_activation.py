@@ -1,0 +1,155 @@
+"""``activation_checkpointing=`` on every strategy: the same parameters as without it.
+
+A net of two blocks (each a linear layer and a tanh) trains 2 steps of AdamW, clipping by
+norm, under each strategy on 4 gloo ranks, once with ``activation_checkpointing={Block}``
+and once without. The parameters must equal each other and the one-process oracle (within
+1e-6, 1e-5 for the 2-D mesh), and the blocks' forward must run twice as often with it (the
+recomputation in the backward happened).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import comm_collectives as dist
+from comm_strategies import build_strategy
+from comm_strategies._activation import apply_activation_checkpointing
+from tests.helpers import full_params, max_diff
+
+STEPS, BATCH = 2, 4
+ADAMW = {"type": "AdamW", "lr": 0.01, "weight_decay": 0.01}
+
+
+class Block(nn.Module):
+    """A linear layer and a tanh; counts its forward calls (recomputations included)."""
+
+    calls = 0
+
+    def __init__(self, width_in: int, width_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width_in, width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+class BlockNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block1, self.block2 = Block(4, 8), Block(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, inputs: torch.Tensor, targets: Any = None, mode: str = "tensor") -> Any:
+        out = self.head(self.block2(self.block1(inputs)))
+        if mode == "loss":
+            return {"loss": ((out - targets) ** 2).mean()}
+        return out
+
+
+def block_plan(model: nn.Module, mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"block1.lin": ColwiseParallel(), "block2.lin": RowwiseParallel()}
+    parallelize_module(model, mesh["tensor_parallel"], plan)
+
+
+def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(BATCH, 4, generator=generator), torch.randn(BATCH, 2, generator=generator)
+
+
+def oracle(world: int) -> dict[str, torch.Tensor]:
+    model = BlockNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    for step in range(STEPS):
+        parts = [data(step, rank) for rank in range(world)]
+        inputs, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        model(inputs, targets, mode="loss")["loss"].backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    return full_params(model)
+
+
+STRATEGIES: list[tuple[str, dict[str, Any]]] = [
+    ("single", {}),
+    ("ddp", {}),
+    ("fsdp", {}),
+    ("fsdp2", {}),
+    ("deepspeed", {"zero_stage": 3}),
+    ("model_parallel", {"parallelize_fn": block_plan, "tensor_parallel_size": 2}),
+]
+
+
+def train(name: str, options: dict[str, Any], checkpointed: bool) -> tuple[Any, int]:
+    extra = {"activation_checkpointing": {Block}} if checkpointed else {}
+    strategy = build_strategy(name, seed=0, **options, **extra)
+    optim_config = {"optimizer": dict(ADAMW), "clip_grad": {"max_norm": 0.5}}
+    model, optim, _ = strategy.prepare(
+        BlockNet(),
+        optim_wrapper=optim_config,
+        dispatch_kwargs={"train_micro_batch_size_per_gpu": BATCH},
+    )
+    rank = getattr(strategy, "data_parallel_rank", strategy.rank)
+    if name == "single":
+        rank = 0
+    Block.calls = 0
+    for step in range(STEPS):
+        with optim.optim_context(model):
+            loss = model(*data(step, rank), mode="loss")["loss"]
+        optim.update_params(loss)
+    return model, Block.calls
+
+
+def compare_all() -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, options in STRATEGIES:
+        plain, calls = train(name, options, checkpointed=False)
+        recomputed, calls_with = train(name, options, checkpointed=True)
+        if name == "single":
+            world = 1
+        elif name == "model_parallel":
+            world = dist.get_world_size() // 2
+        else:
+            world = dist.get_world_size()
+        out[name] = {
+            "with_vs_without": max_diff(full_params(recomputed), full_params(plain)),
+            "with_vs_oracle": max_diff(full_params(recomputed), oracle(world)),
+            "calls": (calls, calls_with),
+        }
+    return out
+
+
+def test_activation_checkpointing_gives_the_same_parameters(comm_pools: Any) -> None:
+    results = comm_pools.get(4).run(compare_all, timeout=300)
+    for rank, result in enumerate(results):
+        for name, figures in result.items():
+            tolerance = 1e-5 if name == "model_parallel" else 1e-6
+            assert figures["with_vs_without"] < tolerance, (name, rank, figures)
+            assert figures["with_vs_oracle"] < tolerance, (name, rank, figures)
+            calls, calls_with = figures["calls"]
+            assert calls == 2 * STEPS, (name, figures)  # two blocks, one forward a step
+            assert calls_with == 2 * calls, (name, figures)  # and once more in the backward
+
+
+def test_activation_checkpointing_checks_its_classes() -> None:
+    with pytest.raises(TypeError, match=r"nn\.Module subclasses"):
+        build_strategy("single", activation_checkpointing={"Block"})
+    with pytest.raises(ValueError, match="has no module of these classes"):
+        apply_activation_checkpointing(nn.Linear(2, 2), {Block})
+    model = BlockNet()
+    names = [name for name, _ in model.named_parameters()]
+    assert apply_activation_checkpointing(model, Block) == 2
+    assert apply_activation_checkpointing(model, {Block}) == 0  # applied once only
+    assert [name for name, _ in model.named_parameters()] == names
+    assert isinstance(model.block1, Block)
