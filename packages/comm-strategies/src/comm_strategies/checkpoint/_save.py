@@ -185,13 +185,16 @@ def save_checkpoint(
     final = Path(path).absolute()
     temporary = _enter(call, final)
     attempts = Attempts(temporary)
+    # What rank 0's manifest says, taken now (an async save publishes later); a failure
+    # here reaches every rank through the vote, as a failure to write does.
+    described = attempts.run(_described, backend, what="the model's description") or {}
     record = _Record(
         strategy=str(strategy),
         fmt=fmt,
         optimizer_keys=list(optimizers),
         num_schedulers=len(schedulers),
-        extra_keys=sorted(str(key) for key in (extra or {})),
-        described=_described(backend),
+        extra_keys=_keys_of(extra),
+        described=described,
     )
     if async_save and fmt in _async.ASYNC_FORMATS:
         return _start_async(
@@ -233,6 +236,15 @@ class _Record:
     num_schedulers: int
     extra_keys: list[str]
     described: dict[str, Any]
+
+
+def _keys_of(extra: Any) -> list[str]:
+    """The keys of the user state rank 0 writes (``dict(extra)``); none when it is not one
+    (writing it then fails on rank 0, and the vote fails the save on every rank)."""
+    try:
+        return sorted(str(key) for key in dict(extra or {}))
+    except (TypeError, ValueError):
+        return []
 
 
 def _check_keep_last(keep_last: int | None) -> None:
