@@ -48,6 +48,14 @@ def bad_plan(model: nn.Module, mesh: Any) -> None:
     parallelize_module(model, mesh["tensor_parallel"], {"head": ColwiseParallel()})
 
 
+def plan_and_shard(model: nn.Module, mesh: Any) -> None:
+    """The plan, then ``fully_shard`` of the root by the function itself."""
+    from torch.distributed.fsdp import fully_shard
+
+    net_plan(model, mesh)
+    fully_shard(model, mesh=mesh["data_parallel"])
+
+
 def plan_failing_on_rank_2(model: nn.Module, mesh: Any) -> None:
     """Fails on rank 2 only; the others apply a plan that makes no collectives.
 
@@ -70,7 +78,8 @@ def plan_failing_on_rank_2(model: nn.Module, mesh: Any) -> None:
 
 def train_case(options: dict[str, Any], loop: str) -> dict[str, Any]:
     """Prepare with ``options``, train ``STEPS`` x ``ACCUM`` micro-steps; differences."""
-    strategy = build_strategy("model_parallel", seed=0, parallelize_fn=net_plan, **options)
+    options = {"parallelize_fn": net_plan, **options}
+    strategy = build_strategy("model_parallel", seed=0, **options)
     optim_config = {
         "type": "OptimWrapper",
         "optimizer": dict(ADAMW),
@@ -114,12 +123,27 @@ def sampler_shares() -> list[list[int]]:
     return gathered
 
 
+def seeded_draws() -> list[float]:
+    """``diff_rank_seed=True``: one random draw per rank, as every rank sees them."""
+    strategy = ModelParallelStrategy(
+        parallelize_fn=net_plan, tensor_parallel_size=2, seed=5, diff_rank_seed=True
+    )
+    strategy.setup_env()
+    draws: list[float] = dist.all_gather_object(float(torch.rand(1)))
+    return draws
+
+
 CASES: list[tuple[str, dict[str, Any], str]] = [
     ("dp2 x tp2", {"tensor_parallel_size": 2}, "train_step"),
     ("dp2 x tp2, own loop", {"tensor_parallel_size": 2}, "update_params"),
     ("hsdp 2 x 2", {"replicate_size": 2, "data_parallel_size": 2}, "train_step"),
     ("tp4", {"tensor_parallel_size": 4}, "train_step"),
     ("hsdp 2 x 1 x tp2", {"replicate_size": 2, "tensor_parallel_size": 2}, "update_params"),
+    (
+        "dp2 x tp2, sharded by the function",
+        {"tensor_parallel_size": 2, "parallelize_fn": plan_and_shard},
+        "update_params",
+    ),
 ]
 
 
@@ -152,13 +176,17 @@ def test_layouts_equal_one_process(comm_pools: Any) -> None:
         assert len(norms) == 1, (CASES[index][0], norms)
 
 
-def test_sampler_gives_tensor_parallel_ranks_the_same_share(comm_pools: Any) -> None:
+def test_sampler_and_seeds_follow_the_data_parallel_coordinates(comm_pools: Any) -> None:
     [shares, *_] = comm_pools.get(4).run(sampler_shares, timeout=120)
     assert shares[0] == shares[1]
     assert shares[2] == shares[3]
     assert len(shares[0]) == 8
     assert not set(shares[0]) & set(shares[2])
     assert sorted(shares[0] + shares[2]) == list(range(16))
+    [draws, *_] = comm_pools.get(4).run(seeded_draws, timeout=120)
+    assert draws[0] == draws[1]  # a tensor-parallel pair draws the same numbers
+    assert draws[2] == draws[3]
+    assert draws[0] != draws[2]  # data-parallel groups differ
 
 
 def prepare_error(options: dict[str, Any]) -> tuple[str, str]:

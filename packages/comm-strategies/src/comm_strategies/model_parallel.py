@@ -94,7 +94,8 @@ class ModelParallelStrategy(Strategy):
 
     Ranks that differ only in their tensor-parallel coordinate must see the same batch:
     take each rank's share with `sampler` (or `data_parallel_rank` and
-    `data_parallel_world_size`), not with the world rank.
+    `data_parallel_world_size`), not with the world rank. For the same reason
+    ``diff_rank_seed=True`` seeds each rank with ``seed + data_parallel_rank``.
 
     Args:
         parallelize_fn: ``fn(model, device_mesh)`` applying the tensor-parallel plan (and
@@ -194,6 +195,10 @@ class ModelParallelStrategy(Strategy):
             self._mesh = init_device_mesh(
                 device.type, tuple(shape.values()), mesh_dim_names=tuple(shape)
             )
+            if self.diff_rank_seed and self._seed is not None:
+                # One seed per data-parallel group: its tensor-parallel ranks must draw
+                # the same numbers (dropout in the replicated parts of the model).
+                self._seed_everything(self._seed + self.data_parallel_rank)
 
     def _shard_mesh(self) -> Any:
         """The mesh ``fully_shard`` shards over: data parallel, or replicate x data parallel."""
