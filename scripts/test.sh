@@ -2,7 +2,8 @@
 # Set up everything and run the whole check suite: lint, types, layer contract, builds,
 # docs, the tests of every layer (each in an environment without the layers above; the
 # DeepSpeed tests in one with the extra), the real-launcher tests (torchrun, mpirun, srun)
-# and a smoke run of the benchmarks.
+# and a smoke run of the benchmarks; then the layers' tests again on the newest supported
+# torch (the `newest` environment).
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
 ensure_hatch
@@ -12,6 +13,9 @@ ensure_apt "slurm-wlm munge" srun slurmctld slurmd munged
 ensure_apt "g++" g++
 ensure_deepspeed deepspeed
 ensure_deepspeed strategies
+# The newest torch the packages support (2.14.1, a CUDA build of ~5.5 GB): one environment
+# with every layer and DeepSpeed, for the layers' tests below.
+ensure_deepspeed newest
 
 start=$(date +%s)
 log "lint";            hatch run full:lint
@@ -42,6 +46,15 @@ log "tests: comm-strategies (DeepSpeed and MMEngine installed)"
 hatch run strategies:test
 log "tests: real launchers"
 hatch run core:launchers
+# The layers' tests again on the newest supported torch (the packages' ceiling), in one
+# environment holding every layer (the layer isolation is checked above, on the pin).
+log "tests on the newest supported torch: $(hatch run newest:version)"
+log "tests: comm-core on the newest torch";        hatch run newest:core
+log "tests: comm-collectives on the newest torch"; hatch run newest:collectives
+log "tests: fault injection on the newest torch";  hatch run newest:faults
+log "tests: comm-wrappers on the newest torch";    hatch run newest:wrappers
+log "tests: comm-wrappers DeepSpeed on the newest torch"; hatch run newest:deepspeed
+log "tests: comm-strategies on the newest torch";  hatch run newest:strategies
 log "benchmark smoke run"
 # A benchmark is not a test: the smoke run checks that the script works. It gets one more
 # try after a failure, and the failure stays in the log (every failed rank's traceback).
