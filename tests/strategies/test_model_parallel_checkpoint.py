@@ -35,6 +35,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "hsdp2x2": ("model_parallel", {"replicate_size": 2, "data_parallel_size": 2}),
     "tp4": ("model_parallel", {"tensor_parallel_size": 4, "parallelize_fn": net_plan}),
     "ddp": ("ddp", {}),
+    "fsdp2": ("fsdp2", {}),
+    "zero3": ("deepspeed", {"zero_stage": 3}),
     "single": ("single", {}),
 }
 
@@ -67,8 +69,13 @@ def oracle() -> dict[str, torch.Tensor]:
 def prepared(layout: str, seed: int) -> tuple[Any, Any, Any, Any]:
     name, options = LAYOUTS[layout]
     strategy = build_strategy(name, seed=0, **options)
+    strategy.setup_env()
+    ranks = getattr(strategy, "data_parallel_world_size", strategy.world_size)
     model, optim, schedulers = strategy.prepare(
-        net(seed), optim_wrapper={"optimizer": dict(ADAMW)}, param_scheduler=dict(SCHEDULER)
+        net(seed),
+        optim_wrapper={"optimizer": dict(ADAMW)},
+        param_scheduler=dict(SCHEDULER),
+        dispatch_kwargs={"train_micro_batch_size_per_gpu": GLOBAL_BATCH // ranks},
     )
     return strategy, model, optim, schedulers
 
@@ -126,7 +133,7 @@ def saved(comm_pools: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
     sources = ["dp2xtp2", "hsdp2x2", "dp2xtp2-full"]
     kinds = comm_pools.get(4).run(save_sources, root, sources, timeout=240)
     assert kinds[0] == dict.fromkeys(sources, "dtensor")
-    comm_pools.get(2).run(save_sources, root, ["ddp"], timeout=120)
+    comm_pools.get(2).run(save_sources, root, ["ddp", "zero3"], timeout=240)
     comm_pools.get(1).run(save_sources, root, ["single"], timeout=120)
     return root
 
@@ -139,8 +146,16 @@ def check(results: list[dict[str, float]]) -> None:
             assert diff < TOLERANCE, (case, rank, diff)
 
 
-def test_2d_checkpoint_resumes_under_ddp_world_2(comm_pools: Any, saved: str) -> None:
-    cases = [("ddp", "dp2xtp2"), ("ddp", "hsdp2x2"), ("ddp", "dp2xtp2-full")]
+def test_2d_checkpoint_resumes_under_ddp_fsdp2_and_deepspeed_world_2(
+    comm_pools: Any, saved: str
+) -> None:
+    cases = [
+        ("ddp", "dp2xtp2"),
+        ("ddp", "hsdp2x2"),
+        ("ddp", "dp2xtp2-full"),
+        ("fsdp2", "dp2xtp2"),
+        ("zero3", "dp2xtp2"),
+    ]
     check(comm_pools.get(2).run(resume, saved, cases, timeout=240))
 
 
@@ -148,9 +163,10 @@ def test_2d_checkpoint_resumes_in_one_process(comm_pools: Any, saved: str) -> No
     check(comm_pools.get(1).run(resume, saved, [("single", "dp2xtp2")], timeout=240))
 
 
-def test_ddp_and_single_checkpoints_resume_on_a_2d_mesh(comm_pools: Any, saved: str) -> None:
+def test_other_checkpoints_resume_on_a_2d_mesh(comm_pools: Any, saved: str) -> None:
     cases = [
         ("dp2xtp2", "ddp"),
+        ("dp2xtp2", "zero3"),
         ("dp2xtp2", "single"),
         ("tp4", "dp2xtp2"),
         ("hsdp2x2", "dp2xtp2"),
