@@ -20,8 +20,8 @@ import comm_collectives as dist
 from comm_wrappers.backends import Backend, backend_of
 
 from .._build import scalers_of
+from . import _async, _publish, _rng
 from . import _deepspeed_files as ds_files
-from . import _rng
 from ._consensus import Call
 from ._errors import CheckpointError
 from ._files import load_tensor_file
@@ -73,6 +73,7 @@ def load_checkpoint(
             checkpoint belongs to another model (names and shapes listed), a format needs
             ``allow_unsafe_pickle``, or the optimizer state cannot move between formats.
     """
+    _async.wait_previous()  # a checkpoint still being written by an async save
     backend = backend_of(model)
     call = Call("load_checkpoint", timeout)
     source = Path(path).absolute()
@@ -243,16 +244,5 @@ def find_latest(work_dir: str | os.PathLike[str]) -> Path | None:
     folder = Path(work_dir)
     if not folder.is_dir():
         return None
-    best: tuple[float, str] | None = None
-    found: Path | None = None
-    for candidate in folder.iterdir():
-        if candidate.name.startswith(".") or not (candidate / MANIFEST_NAME).is_file():
-            continue
-        try:
-            manifest = read_manifest(candidate)
-        except CheckpointError:
-            continue
-        key = (manifest.saved_at, candidate.name)
-        if best is None or key > best:
-            best, found = key, candidate
-    return found
+    found = _publish.newest_first(folder)  # the order retention (keep_last) keeps too
+    return found[0] if found else None
