@@ -605,6 +605,28 @@ def test_a_replaced_checkpoint_is_deleted_in_the_background(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_a_users_file_inside_a_checkpoint_is_never_deleted(tmp_path: Path) -> None:
+    """Saving again to a checkpoint's path replaced the whole folder, a user's file in it
+    too: now it is refused (nothing lost), and keep_last leaves such a folder in place."""
+    model = torch.nn.Linear(3, 2)
+    save_checkpoint(tmp_path / "ckpt", model=model, strategy="single", extra={"step": 1})
+    (tmp_path / "ckpt" / "eval_notes.txt").write_text("mAP 41.2")
+    with pytest.raises(CheckpointError) as refused:
+        save_checkpoint(tmp_path / "ckpt", model=model, strategy="single", extra={"step": 2})
+    assert "holding files comm did not write (eval_notes.txt)" in str(refused.value)
+    assert "move them out, or save to another path" in str(refused.value)
+    assert (tmp_path / "ckpt" / "eval_notes.txt").read_text() == "mAP 41.2"
+    assert load_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(3, 2)) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left
+    with pytest.warns(RuntimeWarning, match=r"keep_last left .*ckpt in place"):
+        save_checkpoint(tmp_path / "next", model=model, strategy="single", keep_last=1)
+    assert (tmp_path / "ckpt" / "eval_notes.txt").is_file()
+    (tmp_path / "ckpt" / "eval_notes.txt").unlink()  # moved out: the next save removes it
+    save_checkpoint(tmp_path / "last", model=model, strategy="single", keep_last=1)
+    _publish._wait_for_deletions()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+
+
 def test_a_file_at_the_path_is_an_error_and_stays(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(CheckpointError, match=r"found a file at .*notes\.txt, not a checkpoint"):

@@ -17,6 +17,7 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 from ._errors import CheckpointError
@@ -66,8 +67,20 @@ def _replaceable(final: Path) -> str:
         return "ok"
     if not final.is_dir():
         return f"found a file at {final}, not a checkpoint folder; pass another path or remove it"
-    if _is_checkpoint(final) or not any(final.iterdir()):
+    if not any(final.iterdir()):
         return "ok"
+    if _is_checkpoint(final):
+        foreign = not_ours(final)
+        if not foreign:
+            return "ok"
+        shown = ", ".join(foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        )
+        return (
+            f"found the checkpoint {final} holding files comm did not write ({shown}); a "
+            "save replaces the whole folder and would delete them: move them out, or save "
+            "to another path"
+        )
     return (
         f"found a folder at {final} that is not a checkpoint (no {MANIFEST_NAME} written by "
         "comm-strategies in it); a save replaces the folder at its path, so pass another "
@@ -83,6 +96,13 @@ def _is_checkpoint(folder: Path) -> bool:
     except CheckpointError:  # none, damaged, or another program's
         return False
     return "comm-strategies" in manifest.versions
+
+
+def not_ours(folder: Path) -> list[str]:
+    """The files in a checkpoint folder that its manifest does not list (a user's notes,
+    an evaluation's output): what replacing or removing the folder would destroy."""
+    listed = set(read_manifest(folder).files) | {MANIFEST_NAME}
+    return [name for name in list_files(folder) if name not in listed]
 
 
 def finish(temporary: Path, final: Path) -> None:
@@ -130,7 +150,8 @@ def retain(final: Path, keep_last: int) -> list[Path]:
     its successor is whole. ``final`` is always kept; of the other complete checkpoints
     (`newest_first`) the newest ``keep_last - 1`` are kept. Nothing else is touched: a
     folder without this package's manifest (logs, a half-written save, another program's
-    files) stays. Each removed folder is hidden by a rename (``.NAME.old-XXXX``: no reader
+    files) stays, and so does a checkpoint holding files its manifest does not list (with a
+    warning). Each removed folder is hidden by a rename (``.NAME.old-XXXX``: no reader
     takes it for a checkpoint from then on) and deleted in the background. Failures are
     ignored (a later save tries again).
 
@@ -143,6 +164,15 @@ def retain(final: Path, keep_last: int) -> list[Path]:
         return []
     removed = []
     for path in others[max(0, keep_last - 1) :]:
+        foreign = not_ours(path)
+        if foreign:  # a file comm did not write: the folder stays, with a warning
+            warnings.warn(
+                f"keep_last left {path} in place: it holds files comm did not write "
+                f"({', '.join(foreign[:5])}); move them out and it goes at the next save",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
         hidden = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
         try:
             os.replace(path, hidden)
