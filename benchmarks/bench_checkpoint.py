@@ -27,6 +27,11 @@ the resident set): the peak RSS growth of rank 0 while it saves a full (``sharde
 checkpoint of the model alone, sharded by FSDP2 and by FSDP1, over the model's size, and
 the time of that save (slowest rank, median of the rounds).
 
+Resharding, in worlds of their own: a DeepSpeed ZeRO-2 checkpoint saved at world 2 loaded
+into FSDP2 at world 3, against the same checkpoint loaded back at world 2 (target: at most
+1.5x), and rank 0's peak RSS growth during the world-3 load against the model's full fp32
+state, parameters and AdamW's moments (target: at most 1.2x).
+
     python benchmarks/bench_checkpoint.py [--smoke] [--repeats N] [--out DIR]
 
 Writes DIR/results.md and DIR/results.json. The DeepSpeed rows need DeepSpeed.
@@ -186,9 +191,7 @@ def case_deepspeed(width: int, depth: int, folder: Path) -> dict[str, Op]:
             ours, model=wrapper, optim_wrapper=optim, strategy="deepspeed"
         ),
         "raw load": raw_load,
-        "comm load": lambda: load_checkpoint(
-            ours, model=wrapper, optim_wrapper=optim, allow_unsafe_pickle=True
-        ),
+        "comm load": lambda: load_checkpoint(ours, model=wrapper, optim_wrapper=optim),
     }
 
 
@@ -336,6 +339,55 @@ def memory_rank(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def reshard_source(settings: dict[str, Any], folder: str) -> list[float]:
+    """World 2: a DeepSpeed ZeRO-2 checkpoint (model and AdamW state) saved into ``folder``,
+    then loaded back into the same engine again and again: the same-topology loads (s)."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
+    from comm_wrappers.deepspeed import initialize
+
+    width, depth = settings["width"], settings["depth"]
+    module = make_mlp(width, depth)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    wrapper, optim = initialize(module, config, torch.optim.AdamW(module.parameters(), lr=1e-3))
+    one_step(wrapper, optim, width)
+    path = Path(folder) / "zero2-world2"
+    save_checkpoint(path, model=wrapper, optim_wrapper=optim, strategy="deepspeed")
+    seconds = []
+    for _ in range(settings["warmup"] + settings["repeats"]):
+        barrier()
+        start = time.perf_counter()
+        load_checkpoint(path, model=wrapper, optim_wrapper=optim)
+        seconds.append(slowest(time.perf_counter() - start))
+    return seconds[settings["warmup"] :]
+
+
+def reshard_target(settings: dict[str, Any], folder: str) -> dict[str, Any]:
+    """World 3: the world-2 DeepSpeed checkpoint into FSDP2 with AdamW, again and again:
+    each load's time (slowest rank), and rank 0's peak RSS growth during one load."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from comm_strategies.checkpoint import load_checkpoint
+    from comm_wrappers import MMFullyShardedDataParallel2
+
+    model = MMFullyShardedDataParallel2(make_mlp(settings["width"], settings["depth"]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    path = Path(folder) / "zero2-world2"
+    seconds, peaks = [], []
+    for _ in range(settings["warmup"] + settings["repeats"]):
+        _trim()
+        barrier()
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        before = _rss_kib("VmRSS")
+        start = time.perf_counter()
+        load_checkpoint(path, model=model, optim_wrapper=optimizer)
+        seconds.append(slowest(time.perf_counter() - start))
+        peaks.append((_rss_kib("VmHWM") - before) * 1024)
+    return {"seconds": seconds[settings["warmup"] :], "peak_bytes": int(min(peaks))}
+
+
 # ---------------------------------------------------------------- report
 def summary(samples: dict[str, list[float]], action: str) -> dict[str, float]:
     raw, ours = samples[f"raw {action}"], samples[f"comm {action}"]
@@ -385,6 +437,24 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {case} | {row['sync_ms']:.1f} | {row['blocked_ms']:.1f} | "
                 f"{row['ratio']:.2f}x | {row['total_ms']:.1f} |"
             )
+    reshard = result.get("reshard")
+    if reshard:
+        lines += [
+            "",
+            "Resharding load: the world-2 DeepSpeed ZeRO-2 checkpoint (model and AdamW state) "
+            "into FSDP2 at world 3, against the same checkpoint loaded back into its own "
+            "engine at world 2 (target: at most 1.5x); rank 0's peak RSS growth during the "
+            "world-3 load against the model's full fp32 state, parameters and AdamW's two "
+            "moments (target: at most 1.2x).",
+            "",
+            "| load | same topology (ms) | resharding (ms) | ratio | rank 0 peak growth (MiB) "
+            "| full fp32 state (MiB) | peak / state |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+            f"| ZeRO-2 world 2 -> FSDP2 world 3 | {reshard['same_ms']:.1f} | "
+            f"{reshard['reshard_ms']:.1f} | {reshard['ratio']:.2f}x | "
+            f"{reshard['peak_bytes'] / 2**20:.1f} | {reshard['state_bytes'] / 2**20:.1f} | "
+            f"{reshard['peak_bytes'] / reshard['state_bytes']:.2f}x |",
+        ]
     lines += [
         "",
         "| full save of an FSDP model (rank 0) | model size (MiB) | peak RSS growth (MiB) "
@@ -463,9 +533,31 @@ def main() -> int:
     if os.path.exists("/proc/self/clear_refs"):
         memory_env = {**env, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
         result["memory"] = launch(memory_rank, settings, nprocs=2, timeout=1800, env=memory_env)[0]
+        if "deepspeed" not in skipped:
+            result["reshard"] = resharding(settings, memory_env)
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_results(Path(args.out), result, markdown(result))
     return 0
+
+
+def resharding(settings: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """The resharding row: a DeepSpeed checkpoint of world 2 loaded into FSDP2 at world 3."""
+    from bench_checkpoint import reshard_source, reshard_target
+
+    folder = tempfile.mkdtemp(prefix="bench-ckpt-reshard-", dir=settings["dir"])
+    try:
+        same = launch(reshard_source, settings, folder, nprocs=2, timeout=1800, env=env)[0]
+        target = launch(reshard_target, settings, folder, nprocs=3, timeout=1800, env=env)[0]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    state_bytes = 3 * model_bytes(make_mlp(settings["width"], settings["depth"]))
+    return {
+        "same_ms": statistics.median(same) * 1e3,
+        "reshard_ms": statistics.median(target["seconds"]) * 1e3,
+        "ratio": statistics.median(target["seconds"]) / statistics.median(same),
+        "peak_bytes": target["peak_bytes"],
+        "state_bytes": state_bytes,
+    }
 
 
 if __name__ == "__main__":
