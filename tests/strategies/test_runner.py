@@ -31,8 +31,7 @@ STRATEGIES = [
     {"type": "CommDDPStrategy"},
     {"type": "CommFSDPStrategy"},
     {"type": "CommFSDPStrategy", "fsdp_version": 2},
-    # DeepSpeed's own files need full unpickling: the runner's resume needs the opt-in.
-    {"type": "CommDeepSpeedStrategy", "zero_stage": 2, "allow_unsafe_pickle": True},
+    {"type": "CommDeepSpeedStrategy", "zero_stage": 2},
 ]
 CHECKPOINTS = importlib.util.find_spec("comm_strategies.checkpoint") is not None
 
