@@ -127,14 +127,22 @@ def _cannot_move(manifest: Manifest, source: Path, backend: Backend, why: str) -
 def _load_full(
     backend: Backend,
     model_state: Mapping[str, Any],
-    optim_states: Mapping[str, Any],
+    optim_states: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     request: LoadRequest,
     source: str,
 ) -> None:
+    """Load full model and optimizer states. ``optim_states`` may be a function that reads
+    them: it is called after the model is loaded, once ``model_state`` is no longer held
+    here (the caller passes the only reference), so a memory-mapped model file's pages can
+    leave the resident set before the optimizer file's are read."""
     params = backend.param_shapes()
     skipped = load_full_model(backend, model_state, request.strict, source, params)
+    del model_state
+    if not request.optimizers:
+        return
+    states = optim_states() if callable(optim_states) else optim_states
     for key, optimizer in request.optimizers.items():
-        state = fit_optimizer_state(optim_states[key], params, skipped, f"{source} ({key})")
+        state = fit_optimizer_state(states[key], params, skipped, f"{source} ({key})")
         backend.load_optim_state(optimizer, state, full=True, strict=request.strict)
 
 
@@ -176,15 +184,21 @@ class FullFormat:
     ) -> None:
         _check_portable(manifest, source, backend, request)
         unsafe = request.allow_unsafe_pickle
-        model_state = load_tensor_file(
-            source / MODEL_FILE, allow_unsafe_pickle=unsafe, mmap=True, what="model state"
-        )
-        optim_states: Mapping[str, Any] = {}
-        if request.optimizers:
-            optim_states = load_tensor_file(
+
+        def optim_states() -> Any:  # read once the model is in (see _load_full)
+            return load_tensor_file(
                 source / OPTIM_FILE, allow_unsafe_pickle=unsafe, mmap=True, what="optimizer state"
             )
-        _load_full(backend, model_state, optim_states, request, str(source / MODEL_FILE))
+
+        _load_full(
+            backend,
+            load_tensor_file(
+                source / MODEL_FILE, allow_unsafe_pickle=unsafe, mmap=True, what="model state"
+            ),
+            optim_states,
+            request,
+            str(source / MODEL_FILE),
+        )
 
 
 def sharded_state(backend: Backend, optimizers: Optimizers) -> dict[str, Any]:
