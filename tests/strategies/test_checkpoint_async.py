@@ -290,11 +290,9 @@ def test_strategy_keep_last_and_resume_takes_the_latest_complete_one(tmp_path: P
     for step in range(1, 5):
         optim.update_params(model(torch.full((1, 2), float(step))).sum())
         weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
-        if step == 3:  # the checkpoint function itself, asynchronously, into work_dir
-            handle = save_checkpoint(
-                tmp_path / "step_3", model=model, strategy="single", extra={"step": 3},
-                async_save=True, keep_last=2,
-            )  # fmt: skip
+        if step == 3:  # asynchronously, into work_dir
+            handle = strategy.save_checkpoint_async("step_3", extra={"step": 3})
+            assert isinstance(handle, SaveHandle)
         else:  # waits for step_3's save first
             strategy.save_checkpoint(f"step_{step}", extra={"step": step})
     assert handle.wait(timeout=60) == tmp_path / "step_3"

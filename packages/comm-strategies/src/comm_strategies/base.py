@@ -376,16 +376,53 @@ class Strategy:
         return Path(
             checkpoint.save_checkpoint(
                 self._resolve(path),
-                model=self.model,
-                optim_wrapper=self.optim_wrapper if save_optimizer else None,
-                schedulers=self.param_schedulers if save_param_scheduler else (),
-                strategy=self.name,
-                extra=None if extra is None else dict(extra),
+                **self._save_options(save_optimizer, save_param_scheduler, extra),
                 sharded=sharded,
                 timeout=timeout,
                 keep_last=self.keep_last if keep_last is None else keep_last,
             )
         )
+
+    def save_checkpoint_async(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        save_optimizer: bool = True,
+        save_param_scheduler: bool = True,
+        extra: Mapping[str, Any] | None = None,
+        sharded: bool | None = None,
+        timeout: float | None = None,
+        keep_last: int | None = None,
+    ) -> checkpoint.SaveHandle:
+        """`save_checkpoint` with the files written in the background (collective).
+
+        Returns once the state is copied to the CPU; training may go on. The handle's
+        ``wait()`` returns the checkpoint directory (or raises on every rank when any rank
+        failed) and ``done()`` says whether it is written. The manifest and the rename
+        happen once every rank finished; the next save waits for this one. The arguments
+        are `save_checkpoint`'s.
+        """
+        self._require_prepared("save_checkpoint_async")
+        handle: checkpoint.SaveHandle = checkpoint.save_checkpoint(
+            self._resolve(path),
+            **self._save_options(save_optimizer, save_param_scheduler, extra),
+            sharded=sharded,
+            timeout=timeout,
+            keep_last=self.keep_last if keep_last is None else keep_last,
+            async_save=True,
+        )
+        return handle
+
+    def _save_options(
+        self, save_optimizer: bool, save_param_scheduler: bool, extra: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "optim_wrapper": self.optim_wrapper if save_optimizer else None,
+            "schedulers": self.param_schedulers if save_param_scheduler else (),
+            "strategy": self.name,
+            "extra": None if extra is None else dict(extra),
+        }
 
     def load_checkpoint(
         self,
