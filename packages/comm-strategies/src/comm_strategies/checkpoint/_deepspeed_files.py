@@ -8,7 +8,6 @@ DeepSpeed's files are at hand: DeepSpeed is the ``deepspeed`` extra.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,29 +17,8 @@ import torch
 
 from ._consensus import where
 from ._errors import CheckpointError
-from ._files import UNSAFE_HINT, _weights_only_detail
+from ._files import UNSAFE_HINT, _weights_only_detail, deepspeed_safe_globals
 from ._layout import DS_FOLDER, DS_TAG
-from ._rng import numpy_safe_globals
-
-# The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins:
-# plain records, rebuilt from their fields (no code of their own runs).
-_DEEPSPEED_RECORDS = (
-    ("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
-    ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
-    ("deepspeed.utils.tensor_fragment", ("fragment_address",)),
-)
-
-
-def deepspeed_safe_globals() -> list[Any]:
-    """DeepSpeed's record classes (and NumPy's values) for ``weights_only`` loading."""
-    allowed: list[Any] = numpy_safe_globals()
-    for module_name, names in _DEEPSPEED_RECORDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        allowed += [getattr(module, name) for name in names if hasattr(module, name)]
-    return allowed
 
 
 def safe_load(path: Any, map_location: Any = None) -> Any:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ._errors import CheckpointError
-from ._files import UNSAFE_HINT, _first_line, _weights_only_detail
+from ._files import UNSAFE_HINT, _first_line, _weights_only_detail, deepspeed_safe_globals
 
 UNIVERSAL_FOLDER = "zero"
 UNIVERSAL_OPTIM_FILE = "optimizer_state.pt"
@@ -72,8 +72,6 @@ def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
     Full unpickling only with ``allow_unsafe_pickle`` and only for a file the safe
     loader refuses (one that holds objects beyond DeepSpeed's plain records).
     """
-    from ._deepspeed_files import deepspeed_safe_globals
-
     if not path.is_file():
         message = f"DeepSpeed file {path} does not exist: the checkpoint is incomplete"
         raise CheckpointError(message)
