@@ -308,3 +308,84 @@ def test_parameter_groups_keep_their_own_hyperparameters(comm_pools: Any, tmp_pa
         for result in comm_pools.get(world).run(two_groups, str(tmp_path), "load", timeout=300):
             assert len(result) == 9
             assert all(diff <= TOLERANCE for diff in result.values()), (world, result)
+
+
+def engines_that_differ(root: str) -> dict[str, float]:
+    """At world 2, same ZeRO stage and world size, but an engine unlike the one that saved:
+    the portable copy is read (DeepSpeed's own files would fail or mislead). Also a tied
+    weight of a bf16 engine: every name of it holds the fp32 master."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from comm_wrappers.backends import backend_of
+    from comm_wrappers.deepspeed import initialize
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = torch.nn.Linear(4, 4, bias=False)
+            self.out = torch.nn.Linear(4, 4, bias=False)
+            self.out.weight = self.inp.weight
+
+        def forward(self, inputs: torch.Tensor, targets: Any, mode: str = "tensor") -> Any:
+            return {"loss": ((self.out(torch.tanh(self.inp(inputs))) - targets) ** 2).mean()}
+
+    def engine(module: Any, stage: int, bf16: bool, groups: Any = None) -> tuple[Any, Any]:
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": bf16},
+            "gradient_clipping": 0.0,
+        }
+        optimizer = torch.optim.AdamW(groups or module.parameters(), lr=0.01)
+        return initialize(module, config, optimizer, inputs_to_half=[0] if bf16 else None)
+
+    def steps(model: Any, optim: Any, outputs: int) -> None:
+        for step in range(2):
+            generator = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+            inputs = torch.randn(2, 4, generator=generator)
+            model.train_step((inputs, torch.randn(2, outputs, generator=generator)), optim)
+
+    def masters(model: Any) -> dict[str, torch.Tensor]:
+        module = backend_of(model).engine.module
+        return {n: safe_get_full_fp32_param(p).clone() for n, p in module.named_parameters()}
+
+    out: dict[str, float] = {}
+    torch.manual_seed(0)
+    tied, tied_optim = engine(Tied(), 2, True)
+    steps(tied, tied_optim, 4)
+    expected = masters(tied)["inp.weight"]
+    path = save_checkpoint(f"{root}/tied", model=tied, optim_wrapper=tied_optim, strategy="x")
+    saved = torch.load(path / "model.pt", weights_only=True)
+    out["tied"] = max(
+        max_diff({"w": saved[n]}, {"w": expected}) for n in ("inp.weight", "out.weight")
+    )
+
+    bf16_model, bf16_optim = engine(net(0), 1, True)
+    steps(bf16_model, bf16_optim, 2)
+    bf16_masters = masters(bf16_model)
+    save_checkpoint(f"{root}/bf16", model=bf16_model, optim_wrapper=bf16_optim, strategy="x")
+    fp32_model, fp32_optim = engine(net(1), 1, False)
+    load_checkpoint(f"{root}/bf16", model=fp32_model, optim_wrapper=fp32_optim)
+    out["bf16_into_fp32"] = max_diff(masters(fp32_model), bf16_masters)
+
+    one_group, one_optim = engine(net(0), 2, False)
+    steps(one_group, one_optim, 2)
+    save_checkpoint(f"{root}/one", model=one_group, optim_wrapper=one_optim, strategy="x")
+    module = net(1)
+    body = [p for n, p in module.named_parameters() if not n.startswith("head")]
+    groups = [{"params": body}, {"params": list(module.head.parameters()), "lr": 0.5}]
+    two_groups, two_optim = engine(module, 2, False, groups)
+    load_checkpoint(f"{root}/one", model=two_groups, optim_wrapper=two_optim)
+    out["one_group_into_two"] = max_diff(masters(two_groups), masters(one_group))
+    out["head_lr"] = float(torch_optimizer(two_optim).param_groups[1]["lr"])
+    return out
+
+
+def test_deepspeed_files_only_for_an_engine_like_the_one_that_saved(
+    comm_pools: Any, tmp_path: Any
+) -> None:
+    for result in comm_pools.get(2).run(engines_that_differ, str(tmp_path), timeout=300):
+        assert result["tied"] == 0.0  # the bf16 copy differs from the master by ~1e-3
+        assert result["bf16_into_fp32"] == 0.0  # DeepSpeed's files: FileNotFoundError
+        assert result["one_group_into_two"] == 0.0  # DeepSpeed's files: a layout error
+        assert result["head_lr"] == 0.01  # the checkpoint's hyperparameters

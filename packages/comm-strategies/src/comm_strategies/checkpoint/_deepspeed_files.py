@@ -93,6 +93,16 @@ def load_native(
         raise CheckpointError(message)
 
 
+def same_precision(tag_dir: Path, engine: Any) -> bool:
+    """Whether a tag folder's optimizer files are of ``engine``'s precision (a bf16 engine
+    writes ``bf16_zero_pp_rank_*``, another ``zero_pp_rank_*``); True without such files."""
+    files = list(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
+    if not files:
+        return True
+    saved_bf16 = all(path.name.startswith("bf16_") for path in files)
+    return saved_bf16 == bool(engine.bfloat16_enabled())
+
+
 def find_tag(folder: Path) -> str:
     """The tag of a DeepSpeed checkpoint folder: its ``latest`` file, or its only tag."""
     latest = folder / "latest"

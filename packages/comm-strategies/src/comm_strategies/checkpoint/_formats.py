@@ -310,15 +310,38 @@ class DeepSpeedFormat:
     def read(
         self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
     ) -> None:
-        same_engine = (
-            backend.engine is not None
-            and manifest.zero_stage == backend.describe()["zero_stage"]
-            and manifest.world_size == dist.get_world_size()
-        )
         portable = (source / MODEL_FILE).is_file()
-        if portable and not same_engine:
+        if not portable:  # format version 1: DeepSpeed's files are the only copy
+            self._native(source, manifest, backend, request)
+            return
+        # The native files only where the engine matches them: stage, world size, names and
+        # shapes (a strict load; a strict=False load that skips entries takes the portable
+        # copy) and precision (a bf16 engine's files have other names).
+        skipped = check_against(
+            backend.param_shapes(), manifest.params, str(source), request.strict
+        )
+        if (
+            skipped
+            or backend.engine is None
+            or manifest.zero_stage != backend.describe()["zero_stage"]
+            or manifest.world_size != dist.get_world_size()
+            or not ds_files.same_precision(source / DS_FOLDER / DS_TAG, backend.engine)
+        ):
             FullFormat().read(source, manifest, backend, request)
             return
+        error: BaseException | None = None
+        try:
+            self._native(source, manifest, backend, request)
+        except Exception as caught:  # e.g. other parameter groups: DeepSpeed's own error
+            error = caught
+        try:  # every rank learns whether any rank's native load failed
+            dist.agree("load_checkpoint (DeepSpeed's files)", error)
+        except dist.RemoteRankError:
+            FullFormat().read(source, manifest, backend, request)  # overwrites it all
+
+    def _native(
+        self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
+    ) -> None:
         load_native_folder(
             source / DS_FOLDER,
             DS_TAG,

@@ -187,13 +187,17 @@ class DeepSpeedBackend(Backend):
             return state
         from deepspeed.utils import safe_get_full_fp32_param
 
-        names = self._names()
+        aliases: dict[int, list[str]] = {}  # a tied parameter has several names
+        for name, param in self._target().named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(param), []).append(name)
         for _, _, params in groups:
             for param in params:
                 master = safe_get_full_fp32_param(param)  # collective: every rank asks
-                name = names.get(id(param))
-                if keep and master is not None and name in state:
-                    state[name] = master.detach().cpu().reshape(state[name].shape).clone()
+                if not keep or master is None:
+                    continue
+                for name in aliases.get(id(param), []):
+                    if name in state:
+                        state[name] = master.detach().cpu().reshape(state[name].shape).clone()
         return state
 
     def load_model_state(self, state: Mapping[str, Any], *, full: bool, strict: bool) -> None:
@@ -316,9 +320,10 @@ class DeepSpeedBackend(Backend):
             if sample is None:
                 continue  # the optimizer had not stepped: nothing to restore
             keys = [k for k, v in sample.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-            base.state[flat] = {
+            current = base.state.get(flat, {})
+            base.state[flat] = {  # what a strict=False load skips keeps its current values
                 **{k: _copy(v) for k, v in sample.items() if k not in keys},
-                **{k: torch.zeros_like(flat) for k in keys},
+                **{k: current[k] if k in current else torch.zeros_like(flat) for k in keys},
             }
         self._relink()  # ZeRO 1-2, bf16: point the parameters at the new state
         with torch.no_grad():
