@@ -72,6 +72,28 @@ def _pair_cases(group: Any, tag: str) -> dict[str, Any]:
         dist.recv(after, 0, group=group)
         out[f"{tag}after_objects"] = after.tolist()
 
+    # debug mode: the receiver's mismatch table names both call sites (the sender's came
+    # over the wire); an irecv's own site is where it was posted, not its helper thread
+    with dist.debug_mode():
+        if rank == 0:
+            dist.send(torch.ones(3), 1, group=group)
+            dist.send_object_list([1, 2], 1, group=group)
+            dist.send(torch.ones(2, dtype=torch.int32), 1, group=group)
+            dist.send(torch.full((2,), 4.0), 1, group=group)
+        elif rank == 1:
+            out[f"{tag}debug/shape"] = caught(dist.recv, torch.zeros(4), 0, group=group)
+            out[f"{tag}debug/objects"] = caught(dist.recv_object_list, [None], 0, group=group)
+            pending = dist.irecv(torch.zeros(2), 0, group=group)
+            out[f"{tag}debug/irecv"] = caught(pending.wait, 30.0)
+            after = torch.zeros(2)
+            dist.recv(after, 0, group=group)
+            out[f"{tag}debug/after"] = after.tolist()
+    if rank == 0:  # only the receiver in debug mode: its own site still shows
+        dist.send(torch.ones(3), 1, group=group)
+    elif rank == 1:
+        with dist.debug_mode():
+            out[f"{tag}debug/receiver_only"] = caught(dist.recv, torch.zeros(5), 0, group=group)
+
     # objects: tensors inside travel out of band; compare with torch's own call
     objects = [{"rank": rank, "t": torch.full((100_000,), float(rank))}, "text", None]
     if rank == 0:
@@ -142,6 +164,24 @@ def _expect(results: list[dict[str, Any]], tag: str, members: list[int]) -> None
     assert name == "CollectiveMismatchError", message
     assert "sent 3 objects; rank 1 posted a list of 2" in message
     assert receiver[f"{tag}after_objects"] == [8.0, 8.0]
+
+    for case, what in (("shape", "differ in shape"), ("objects", "sent 2 objects")):
+        name, message = receiver[f"{tag}debug/{case}"]
+        assert name == "CollectiveMismatchError", message
+        assert what in message
+        assert "call site" in message
+        assert "test_p2p.py:" in message  # the sender's site: _pair_cases
+        assert "helpers.py:" in message  # the receiver's: caught() made the call
+    name, message = receiver[f"{tag}debug/irecv"]
+    assert name == "CollectiveMismatchError", message
+    assert "differ in dtype" in message
+    assert message.count("test_p2p.py:") == 2  # the irecv was posted in _pair_cases too
+    assert receiver[f"{tag}debug/after"] == [4.0, 4.0]
+    name, message = receiver[f"{tag}debug/receiver_only"]
+    assert name == "CollectiveMismatchError", message
+    assert message.count("call site") >= 1
+    assert "helpers.py:" in message
+    assert "test_p2p.py:" not in message
 
     ours_o, ref_o, source = receiver[f"{tag}objects"]
     assert tuple(ours_o) == tuple(ref_o) == (0, 0.0, ["text", None])

@@ -44,7 +44,8 @@ def _cases(group: Any, tag: str) -> dict[str, Any]:
     def torch_root(r: int) -> int:
         return r if group is None else torch_dist.get_global_rank(group, r)
 
-    # reduce, every op, to the last rank; the others keep their tensor
+    # reduce, every op, to the last rank; on the inline path the others keep their tensor
+    # (on the long path, as with torch, it is the backend's workspace)
     for op, torch_op in TORCH_OPS.items():
         ours, ref = _data(rank), _data(rank)
         dist.reduce(ours, dst=root, op=op, group=group)
@@ -185,7 +186,9 @@ def torch_api_cases() -> dict[str, Any]:
     return out
 
 
-def _expect(results: list[dict[str, Any]], world: int, tag: str, members: list[int]) -> None:
+def _expect(
+    results: list[dict[str, Any]], world: int, tag: str, members: list[int], path: str
+) -> None:
     """Assert the cases of ``tag`` on the ranks ``members`` (global ranks, in group order)."""
     n = len(members)
     root = n - 1
@@ -195,7 +198,7 @@ def _expect(results: list[dict[str, Any]], world: int, tag: str, members: list[i
             ours, ref = r[f"{tag}reduce/{op}"]
             if rank == root:
                 assert ours == ref, (tag, op, rank)
-            else:
+            elif path == "inline":
                 assert ours == base == ref, (tag, op, rank)
         sums = [sum(float(i + k + 1) for k in range(n)) for i in range(5)]
         if rank == root:
@@ -255,7 +258,8 @@ def _expect(results: list[dict[str, Any]], world: int, tag: str, members: list[i
         assert r[f"{tag}async/all_gather"] == gathered
         assert r[f"{tag}async/gather"] == (gathered if rank == 0 else None)
         maxima = [float(i + n) for i in range(5)]
-        assert r[f"{tag}async/reduce"] == (maxima if rank == 0 else base)
+        if rank == 0 or path == "inline":
+            assert r[f"{tag}async/reduce"] == (maxima if rank == 0 else base)
         assert r[f"{tag}async/scatter"] == expected
         assert r[f"{tag}barrier"] == (None, True)
         for case in ("debug/reduce", "debug/scatter"):
@@ -280,9 +284,9 @@ def test_torch_primitives_match_torch_distributed(
     comm_run_distributed: Any, path: str, world: int
 ) -> None:
     results = run_on_path(comm_run_distributed, path, torch_api_cases, world_size=world)
-    _expect(results, world, "", list(range(world)))
+    _expect(results, world, "", list(range(world)), path)
     if world == 3:
-        _expect(results, world, "group:", [0, 2])
+        _expect(results, world, "group:", [0, 2], path)
         assert not any(key.startswith("group:") for key in results[1])
 
 

@@ -43,7 +43,7 @@ from ._frame import HEADER_BYTES, MAX_DIMS, Header, Inline, Peer, check_versions
 from ._modes import debug_enabled
 from ._route import all_gather_flat, header_route
 
-__all__ = ["PendingHandshake", "handshake", "start_handshake"]
+__all__ = ["PendingHandshake", "call_site", "handshake", "start_handshake"]
 
 
 def handshake(
@@ -199,7 +199,7 @@ def _read_table(
     if any(p.debug for p in peers):  # one rank asking is enough: every rank sees it
         gathered: list[object] = [None] * world
         with transport(header.operation, group):
-            torch_dist.all_gather_object(gathered, _call_site(), group=group)
+            torch_dist.all_gather_object(gathered, call_site(), group=group)
         sites = [str(s) for s in gathered]
 
     def table_rows() -> list[dict[str, object]]:
@@ -238,7 +238,8 @@ def _raise_remote(header: Header, group: torch_dist.ProcessGroup | None) -> None
     gather_and_raise(header.operation, failure, header.error, group)
 
 
-def _call_site() -> str:
+def call_site() -> str:
+    """The first frame outside comm_collectives that led here, as ``file.py:line in name``."""
     frame = sys._getframe(1)
     package = __name__.rsplit(".", 1)[0]
     while frame is not None and frame.f_globals.get("__name__", "").startswith(package):

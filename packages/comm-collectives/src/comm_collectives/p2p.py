@@ -40,7 +40,8 @@ from ._agree import failure_of
 from ._buffers import empty_bytes
 from ._faults import peer_transport
 from ._frame import VERSION, WIDTH, Header, decode, signature_of
-from ._modes import local_fault
+from ._handshake import call_site
+from ._modes import debug_enabled, local_fault
 from ._route import header_route
 from ._serialization import decode as decode_frame
 from ._serialization import encode
@@ -90,6 +91,27 @@ def _header_tensor(header: Header) -> torch.Tensor:
     return torch.tensor(header.encode(), dtype=torch.int64)
 
 
+# debug mode: a sender whose header says ``debug`` sends its call site after the data, in a
+# fixed-size message (so the receiver can post it without another header)
+_SITE_BYTES = 256
+
+
+def _site_tensor(site: str) -> torch.Tensor:
+    raw = site.encode("utf-8", "replace")[:_SITE_BYTES]
+    out = torch.zeros(_SITE_BYTES, dtype=torch.uint8)
+    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+def _site_of(buffer: torch.Tensor) -> str:
+    return bytes(buffer.tolist()).rstrip(b"\0").decode("utf-8", "replace")
+
+
+def _own_site() -> str | None:
+    """This rank's call site in debug mode (the user's frame), else None."""
+    return call_site() if debug_enabled() else None
+
+
 def _post(
     operation: str,
     header: Header,
@@ -98,15 +120,20 @@ def _post(
     dst: int,
     group: torch_dist.ProcessGroup | None,
     tag: int,
+    site: str | None = None,
 ) -> list[torch_dist.Work]:
-    """Start sending ``header`` and then ``data`` (bytes) to ``dst``; return the handles."""
+    """Start sending ``header`` and then ``data`` (bytes) to ``dst`` (and, in debug mode,
+    the call site ``site``); return the handles."""
     route, _ = header_route(group)
     head_tag, data_tag = _tags(tag)
     peer = global_rank(group, dst)
+    header.debug = site is not None
     with peer_transport(operation, group, [dst]):
         works = [torch_dist.isend(_header_tensor(header), peer, group=route, tag=head_tag)]
         if data.numel():
             works.append(torch_dist.isend(data, peer, group=data_group, tag=data_tag))
+        if site is not None:
+            works.append(torch_dist.isend(_site_tensor(site), peer, group=route, tag=data_tag))
     return [w for w in works if w is not None]
 
 
@@ -145,14 +172,8 @@ def isend(
 ) -> Work:
     """Start sending ``tensor`` to rank ``dst``; return a [`Work`][comm_collectives.Work].
 
-    The tensor must not be modified until the handle's ``wait()`` returned.
-
-    Args:
-        tensor: The data; the receiver must post a tensor of the same shape, dtype and
-            device kind.
-        dst: Receiving rank (in ``group``).
-        group: Process group; the default group when None.
-        tag: Matches this send with the receive of the same tag.
+    The arguments are those of [`send`][comm_collectives.send]. The tensor must not be
+    modified until the handle's ``wait()`` returned.
 
     Raises:
         RemoteRankError: This rank's tensor could not be sent (not a tensor, staging
@@ -177,7 +198,7 @@ def isend(
         count=work.numel() * work.element_size(),
         signature=_device_code(tensor.device),
     )
-    works = _post("send", header, _as_bytes(work), group, dst, group, tag)
+    works = _post("send", header, _as_bytes(work), group, dst, group, tag, _own_site())
     return Work("send", group, peers=[dst], body=lambda _: _wait_all("send", works, group, dst))
 
 
@@ -218,14 +239,8 @@ def irecv(
 ) -> Work:
     """Start receiving into ``tensor``; return a [`Work`][comm_collectives.Work].
 
-    After ``wait()``, ``tensor`` holds the data and ``source_rank()`` names the sender.
-
-    Args:
-        tensor: Where the data lands; its shape, dtype and device kind must be those of the
-            tensor sent.
-        src: Sending rank (in ``group``); None receives from any rank.
-        group: Process group; the default group when None.
-        tag: Matches this receive with the send of the same tag.
+    The arguments are those of [`recv`][comm_collectives.recv]. After ``wait()``, ``tensor``
+    holds the data and ``source_rank()`` names the sender.
 
     Raises:
         ValueError: ``src`` is not another rank of the group (raised here).
@@ -238,9 +253,10 @@ def irecv(
     if src is not None:
         _check_peer("recv", src, group, "src")
     _tags(tag)
+    site = _own_site()  # taken here: the body runs in the handle's helper thread
 
     def body(work: Work) -> None:
-        work._source = _receive("recv", tensor, None, src, group, tag, work)
+        work._source = _receive("recv", tensor, None, src, group, tag, work, site)
 
     return Work("recv", group, peers=[] if src is None else [src], body=body)
 
@@ -272,7 +288,7 @@ def recv(
     """
     if not_member(group):  # torch's behaviour outside a group: nothing
         return -1
-    return _receive("recv", tensor, None, src, group, tag)
+    return _receive("recv", tensor, None, src, group, tag, None, _own_site())
 
 
 def send_object_list(
@@ -314,7 +330,7 @@ def send_object_list(
         signature=len(object_list),
     )
     route, _ = header_route(group)
-    works = _post("send_object_list", header, frame, route, dst, group, 0)
+    works = _post("send_object_list", header, frame, route, dst, group, 0, _own_site())
     _wait_all("send_object_list", works, group, dst)
 
 
@@ -340,7 +356,7 @@ def recv_object_list(
     """
     if not_member(group):  # torch's behaviour outside a group: nothing
         return -1
-    return _receive("recv_object_list", None, object_list, src, group, 0)
+    return _receive("recv_object_list", None, object_list, src, group, 0, None, _own_site())
 
 
 def _receive(
@@ -351,9 +367,12 @@ def _receive(
     group: torch_dist.ProcessGroup | None,
     tag: int,
     work: Work | None = None,
+    site: str | None = None,
 ) -> int:
-    """Receive a header, then the bytes it announces; place them or raise; return the
-    sender's rank. Runs in the caller's thread (recv) or a handle's helper thread (irecv)."""
+    """Receive a header, then the bytes it announces (and the sender's call site when it
+    sent one); place them or raise; return the sender's rank. Runs in the caller's thread
+    (recv) or a handle's helper thread (irecv). ``site`` is this rank's call site in debug
+    mode: with the sender's, it goes into the rows of a mismatch table."""
     if src is not None:
         _check_peer(operation, src, group, "src")
     head_tag, data_tag = _tags(tag)
@@ -387,6 +406,15 @@ def _receive(
             torch_dist.recv(
                 buffer, global_rank(group, sender), group=route if on_route else group, tag=data_tag
             )
+    their_site: str | None = None
+    if got.debug and got.version == VERSION:
+        raw = torch.empty(_SITE_BYTES, dtype=torch.uint8)
+        with peer_transport(operation, group, [sender]):
+            torch_dist.recv(raw, global_rank(group, sender), group=route, tag=data_tag)
+        their_site = _site_of(raw)
+    if problem is not None and (their_site or site):  # the table with the call sites
+        sites = (their_site, site)
+        problem = _mismatch(operation, got, expected, tensor, objects, sender, group, sites)
     if not got.ok:
         failure = pickle.loads(buffer.cpu().numpy().tobytes())
         if not isinstance(failure, RankFailure):
@@ -418,8 +446,18 @@ def _mismatch(
     objects: list[Any] | None,
     sender: int,
     group: torch_dist.ProcessGroup | None,
+    sites: tuple[str | None, str | None] = (None, None),
 ) -> BaseException | None:
-    """What the receiver raises once the bytes are drained, or None when they fit."""
+    """What the receiver raises once the bytes are drained, or None when they fit.
+
+    ``sites`` are the call sites of the sender and of this rank (debug mode), or None."""
+
+    def rows(theirs: dict[str, object], mine: dict[str, object]) -> list[dict[str, object]]:
+        for row, where in ((theirs, sites[0]), (mine, sites[1])):
+            if where is not None:
+                row["call site"] = where
+        return [theirs, mine]
+
     if got.version != VERSION:
         return CollectiveMismatchError(
             operation,
@@ -440,19 +478,21 @@ def _mismatch(
         return CollectiveMismatchError(
             operation,
             f"rank {sender} sent with {got.operation}, rank {me} received with {operation}.",
-            [{"rank": sender, "operation": got.operation}, {"rank": me, "operation": operation}],
+            rows(
+                {"rank": sender, "operation": got.operation}, {"rank": me, "operation": operation}
+            ),
             "pair send with recv (or isend / irecv) and send_object_list with "
             "recv_object_list, with the same tag.",
         )
     if tensor is not None:
-        mine = {
+        mine: dict[str, object] = {
             "rank": me,
             "operation": operation,
             "shape": tuple(tensor.shape),
             "dtype": str(tensor.dtype).replace("torch.", ""),
             "device": tensor.device.type,
         }
-        theirs = {
+        theirs: dict[str, object] = {
             "rank": sender,
             "operation": "send",
             "shape": got.shape,
@@ -466,7 +506,7 @@ def _mismatch(
             return CollectiveMismatchError(
                 operation,
                 f"the tensor sent and the tensor posted to receive differ in {', '.join(different)}.",
-                [theirs, mine],
+                rows(theirs, mine),
                 "post a tensor of the sender's shape, dtype and device kind "
                 "(torch.empty(shape, dtype=dtype, device=device)).",
             )
@@ -477,10 +517,10 @@ def _mismatch(
             operation,
             f"rank {sender} sent {got.signature} objects; rank {me} posted a list of "
             f"{len(objects)}.",
-            [
+            rows(
                 {"rank": sender, "operation": "send_object_list", "objects": got.signature},
                 {"rank": me, "operation": operation, "objects": len(objects)},
-            ],
+            ),
             "post a list as long as the sender's, e.g. [None] * n.",
         )
     return None

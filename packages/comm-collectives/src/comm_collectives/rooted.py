@@ -43,7 +43,10 @@ def reduce(
 ) -> Work | None:
     """Reduce ``tensor`` of every rank into ``tensor`` of rank ``dst``, in place.
 
-    The tensors of the other ranks are left unchanged (torch leaves them unspecified).
+    As with torch, the other ranks' tensors are the backend's workspace: a tensor too large
+    to travel in the handshake (more than a few KB) may hold partial results afterwards on
+    a rank other than ``dst`` (clone it first if you need it). Copying it away would cost a
+    pass over the data on every rank; a small tensor is left unchanged.
 
     Args:
         tensor: The tensor; every rank passes the same shape and dtype.
@@ -126,7 +129,8 @@ def _start(
     vote: bool,
 ) -> Work | None:
     """The backend's reduce to ``dst`` (staged, voted on when ``vote``); the result is
-    written into ``tensor`` on ``dst`` only."""
+    written into ``tensor`` on ``dst`` only. Every rank reduces in ``tensor``'s own memory
+    when it can, as torch does (the other ranks' tensors are the backend's workspace)."""
     me = get_rank(group)
 
     def agreed(failure: BaseException | None) -> None:
@@ -139,7 +143,7 @@ def _start(
         "reduce",
         dst=global_rank(group, dst),
         vote=agreed if vote else None,
-        inplace=me == dst,
+        inplace=True,
     )
 
     def finish() -> None:
