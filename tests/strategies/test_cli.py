@@ -205,6 +205,20 @@ def test_bad_conversions_are_clear_errors(
     assert (folder / "notes.txt").read_text() == "hello"
     with pytest.raises(CheckpointError, match="does not exist"):
         convert_checkpoint(tmp_path / "missing", tmp_path / "y", to="deepspeed")
+    # A plain destination that is a folder, or a file of another kind, is kept, not replaced.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert cli.main(["convert", str(saved / "fsdp2"), str(notes), "--to", "plain"]) == 2
+    err = capsys.readouterr().err
+    assert "the file exists and is not a weights file" in err, err
+    assert notes.read_text() == "mine"
+    with pytest.raises(CheckpointError, match="it is a folder; a plain weights file"):
+        convert_checkpoint(saved / "fsdp2", folder, to="plain")
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    weights = tmp_path / "weights.pt"  # a weights file already there is replaced
+    weights.write_bytes(b"old")
+    convert_checkpoint(saved / "fsdp2", weights)
+    assert sorted(torch.load(weights, weights_only=True)) != []
 
 
 def test_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

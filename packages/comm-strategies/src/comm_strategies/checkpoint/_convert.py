@@ -280,7 +280,8 @@ def convert_checkpoint(
 
     Args:
         source: A checkpoint folder, a DeepSpeed checkpoint folder or a ``.pth`` file.
-        destination: The file or folder to write (replaced atomically if it exists).
+        destination: The file or folder to write (replaced atomically if it exists and is a
+            checkpoint of the same kind; anything else there is refused, never replaced).
         to: ``"plain"``, ``"full"``, ``"sharded"`` or ``"deepspeed"``; None chooses
             ``"plain"`` or ``"sharded"`` from the destination's suffix.
         allow_unsafe_pickle: Allow source files that need full unpickling (old pickles,
@@ -293,7 +294,8 @@ def convert_checkpoint(
     Raises:
         ValueError: ``to`` is not one of the targets.
         CheckpointError: The source is missing, is no checkpoint, or is damaged; the
-            destination is a folder that is not a checkpoint.
+            destination is a folder that is not a checkpoint; a plain destination is a
+            folder, or an existing file that is not a weights file.
 
     Examples:
         >>> import tempfile, torch
@@ -316,12 +318,31 @@ def convert_checkpoint(
     read = read_source(src, optimizer=to != "plain", allow_unsafe_pickle=allow_unsafe_pickle)
     dst.parent.mkdir(parents=True, exist_ok=True)
     if to == "plain":
+        _check_plain_destination(dst)
         state = {k: v.contiguous() for k, v in read.model.items()}
         save_with_progress(state, dst, progress=progress, label="writing")
         return dst
     if to == "deepspeed":
         return _write_deepspeed(read, dst, progress=progress)
     return _write_folder(read, dst, sharded=to == "sharded", progress=progress)
+
+
+def _check_plain_destination(dst: Path) -> None:
+    """Refuse to replace what is not a weights file: a folder, or a file of another kind
+    (a ``.pt``/``.pth``/``.bin``/``.ckpt`` file already there is replaced, atomically)."""
+    if dst.is_dir():
+        message = (
+            f"cannot convert into {dst}: it is a folder; a plain weights file needs a file "
+            f"name (e.g. {dst / 'model.pt'}), or pass to='full' or 'sharded' for a folder"
+        )
+        raise CheckpointError(message)
+    if dst.exists() and dst.suffix not in PLAIN_SUFFIXES:
+        message = (
+            f"cannot convert into {dst}: the file exists and is not a weights file "
+            f"(suffix {dst.suffix or 'none'!r}, expected one of {', '.join(PLAIN_SUFFIXES)}); "
+            "remove it or choose another name"
+        )
+        raise CheckpointError(message)
 
 
 def _begin(dst: Path, *, deepspeed: bool = False) -> Path:
