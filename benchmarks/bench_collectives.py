@@ -188,6 +188,12 @@ def _cases(
     def fresh() -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in scalars.items()}
 
+    flat = torch.ones(sizes["async_mib"] * 2**20 // 4)  # a mean of ones stays ones
+
+    def torch_mean() -> None:
+        torch_dist.all_reduce(flat)
+        flat.div_(world)
+
     array_bytes = array.nbytes
     tensor_bytes = sum(t.numel() * 4 for t in tensors.values())
     return [
@@ -260,6 +266,16 @@ def _cases(
             {
                 "comm": lambda: comm.collect_results(results, size, device="gpu"),
                 "mmengine": lambda: mm.collect_results(results, size, device="gpu"),
+            },
+        ),
+        (
+            f"all_reduce: {sizes['async_mib']} MiB float32, mean",
+            flat.numel() * 4,
+            1,
+            {
+                "comm": lambda: comm.all_reduce(flat, op="mean"),
+                "torch": torch_mean,
+                "mmengine": lambda: mm.all_reduce(flat, op="mean"),
             },
         ),
         *_primitive_cases(sizes),

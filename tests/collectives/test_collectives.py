@@ -42,6 +42,20 @@ def all_reduce_ops() -> dict[str, Any]:
     dist.all_reduce(flags, op="max")
     out["bool_max"] = flags.tolist()
     out["bad_op"] = caught(dist.all_reduce, torch.ones(1), op="avg")
+    # large tensors: cached buffers, reduced in their own memory when the size divides
+    # into the ranks' chunks (300_000), copied otherwise (300_001, a strided view)
+    world = dist.get_world_size()
+    s1 = sum(r + 1 for r in range(world))
+    for n in (300_000, 300_001):
+        big = torch.arange(n, dtype=torch.float32) * (rank + 1)
+        dist.all_reduce(big)
+        out[f"big_sum/{n}"] = torch.equal(big, torch.arange(n, dtype=torch.float32) * s1)
+        big = torch.arange(n, dtype=torch.float32) * (rank + 1)
+        dist.all_reduce(big, op="max")
+        out[f"big_max/{n}"] = torch.equal(big, torch.arange(n, dtype=torch.float32) * world)
+    strided = (torch.arange(600_000, dtype=torch.float32) * (rank + 1)).view(-1, 2)[:, 0]
+    dist.all_reduce(strided)
+    out["big_strided"] = torch.equal(strided, torch.arange(0, 600_000, 2).float() * s1)
     group = torch.distributed.new_group([0, 1])
     if rank in (0, 1):
         g = torch.tensor([10.0 * (rank + 1)])
@@ -61,6 +75,10 @@ def test_all_reduce_every_op(comm_run_distributed: Any, path: str, world: int) -
     for r in ranks:
         p1 *= r + 1
     for rank, r in enumerate(results):
+        for n in (300_000, 300_001):
+            assert r[f"big_sum/{n}"] is True, (rank, n)
+            assert r[f"big_max/{n}"] is True, (rank, n)
+        assert r["big_strided"] is True
         assert r["sum"] == [s1, 2 * s1]
         assert r["SUM"] == [s1, 2 * s1]
         assert r["mean"] == [s1 / world, 2 * s1 / world]
