@@ -247,11 +247,36 @@ def rebuild_over(
                 raise ValueError(message)
             params.append(current[name])
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    rebuilt = type(optimizer)(groups, **optimizer.defaults)
+    rebuilt = type(optimizer)(groups, **_constructor_defaults(optimizer))
+    for key, value in optimizer.defaults.items():
+        rebuilt.defaults.setdefault(key, value)  # for groups added later
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is optimizer:
             _move_scheduler(scheduler, rebuilt)
     return rebuilt
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor takes as keywords.
+
+    Every group carries its own settings already; the defaults only fill the required
+    arguments (``lr`` of a custom optimizer). Some hold keys the constructor does not take
+    (torch 2.13's AdamW keeps ``decoupled_weight_decay``, which only Adam accepts).
+    """
+    import inspect
+
+    try:
+        parameters = inspect.signature(type(optimizer).__init__).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: pass them all, as before
+        return dict(optimizer.defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(optimizer.defaults)
+    accepted = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
 
 
 def _move_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
