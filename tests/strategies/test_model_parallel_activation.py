@@ -163,3 +163,84 @@ def test_activation_checkpointing_checks_its_classes() -> None:
     assert apply_activation_checkpointing(model, {Block}) == 0  # applied once only
     assert [name for name, _ in model.named_parameters()] == names
     assert isinstance(model.block1, Block)
+
+
+class FlagBlock(nn.Module):
+    """Takes keyword arguments named like ``torch.utils.checkpoint``'s own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(
+        self, x: torch.Tensor, debug: bool = False, context_fn: Any = None, scale: float = 1.0
+    ) -> torch.Tensor:
+        out = torch.tanh(self.lin(x)) * scale
+        if debug:
+            out = out * 0.0
+        if context_fn is not None:
+            out = context_fn(out)
+        return out
+
+
+def test_checkpointed_modules_get_every_keyword_argument() -> None:
+    # debug= and context_fn= were taken by torch.utils.checkpoint instead of the block.
+    torch.manual_seed(0)
+    plain = FlagBlock()
+    recomputed = FlagBlock()
+    recomputed.load_state_dict(plain.state_dict())
+    assert apply_activation_checkpointing(recomputed, FlagBlock) == 1
+    x = torch.randn(3, 4)
+    for kwargs in (
+        {"debug": True},
+        {"context_fn": torch.neg, "scale": 2.0},
+        {"debug": False, "scale": 3.0},
+    ):
+        expected, got = plain(x, **kwargs), recomputed(x, **kwargs)
+        assert torch.equal(expected, got), kwargs
+        expected.sum().backward()
+        got.sum().backward()
+        assert plain.lin.weight.grad is not None
+        assert recomputed.lin.weight.grad is not None
+        assert torch.equal(plain.lin.weight.grad, recomputed.lin.weight.grad), kwargs
+    assert float(plain(x, debug=True).abs().sum()) == 0.0
+
+
+def test_checkpointed_models_keep_their_classes_names_and_pickle() -> None:
+    import copy
+    import io
+
+    model = BlockNet()
+    keys = list(model.state_dict())
+    apply_activation_checkpointing(model, {Block})
+    assert type(model.block1) is Block  # the class is not swapped
+    assert list(model.state_dict()) == keys  # checkpoints stay portable
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    for other in (loaded, copied):
+        assert type(other.block2) is Block
+        assert torch.equal(other(x), model(x))
+        other.block1.lin.weight.data.add_(1.0)  # independent of the original
+        assert not torch.equal(other.block1.lin.weight, model.block1.lin.weight)
+        Block.calls = 0
+        other(x).sum().backward()
+        assert Block.calls == 4  # still recomputed in the backward (2 blocks x 2)
+
+
+def autowrap_by_class_name() -> dict[str, dict[str, Any]]:
+    """``auto_wrap_policy="Block"`` (a class name) with activation checkpointing of Block."""
+    options: dict[str, Any] = {"model_wrapper": {"auto_wrap_policy": "Block"}}
+    planned = {**options, "parallelize_fn": block_plan, "tensor_parallel_size": 2}
+    return compare_all([("fsdp", options), ("fsdp2", options), ("model_parallel", planned)])
+
+
+def test_activation_checkpointing_with_auto_wrap_policy_by_class_name(comm_pools: Any) -> None:
+    # The renamed class (CheckpointedBlock) made "Block" unknown to the policy.
+    results = comm_pools.get(2).run(autowrap_by_class_name, timeout=180)
+    for result in results:
+        assert set(result) == {"fsdp", "fsdp2", "model_parallel"}
+    check(results)

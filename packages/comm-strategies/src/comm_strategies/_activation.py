@@ -5,10 +5,13 @@ of one of them keeps only its inputs in the forward and runs its forward again i
 backward (``torch.utils.checkpoint``, non-reentrant, random state preserved), trading
 compute for memory. The results are those of the run without it.
 
-The module's class is swapped for a subclass whose ``forward`` checkpoints the original
-one (as ``fully_shard`` swaps classes): parameter and state-dict names do not change
-(no ``_checkpoint_wrapped_module.`` level), so tensor-parallel plans, checkpoints and
-optimizers see the same names, and a deep copy of the model stays independent.
+Each such module gets its own ``forward`` (an instance attribute: a ``functools.partial``
+of a module-level function, bound to the module) that checkpoints its class's
+``forward``. The module keeps its class (``type(m) is Block``, class names in
+``auto_wrap_policy`` still match), its parameter and state-dict names (no
+``_checkpoint_wrapped_module.`` level: tensor-parallel plans, checkpoints and optimizers
+see the same names), its keyword arguments (all of them reach its ``forward``, including
+ones named ``debug`` or ``context_fn``), and the model still pickles and deep-copies.
 """
 
 from __future__ import annotations
@@ -20,13 +23,11 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply_activation_checkpointing", "coerce_activation_checkpointing"]
-
-_MADE: dict[type[nn.Module], type[nn.Module]] = {}
-
-
-class _Checkpointed:
-    """Marks the classes made here (their modules are checkpointed already)."""
+__all__ = [
+    "apply_activation_checkpointing",
+    "coerce_activation_checkpointing",
+    "is_checkpointed",
+]
 
 
 def coerce_activation_checkpointing(value: Any) -> tuple[type[nn.Module], ...]:
@@ -58,21 +59,20 @@ def coerce_activation_checkpointing(value: Any) -> tuple[type[nn.Module], ...]:
     return tuple(dict.fromkeys(classes))  # unique, in the given order
 
 
-def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
-    made = _MADE.get(cls)
-    if made is None:
+def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run ``module``'s class ``forward`` under ``torch.utils.checkpoint`` (non-reentrant).
 
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            run = functools.partial(cls.forward, self)
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+    The keyword arguments are bound into the function checkpointed, so that none of them is
+    taken for one of ``checkpoint``'s own (``debug``, ``context_fn``, ...).
+    """
+    run = functools.partial(type(module).forward, module, **kwargs)
+    return checkpoint(run, *args, use_reentrant=False)
 
-        made = type(
-            f"Checkpointed{cls.__name__}",
-            (_Checkpointed, cls),
-            {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__},
-        )
-        _MADE[cls] = made
-    return made
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether `apply_activation_checkpointing` gave ``module`` its checkpointed forward."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _checkpointed_forward
 
 
 def apply_activation_checkpointing(model: nn.Module, classes: Any) -> int:
@@ -106,9 +106,11 @@ def apply_activation_checkpointing(model: nn.Module, classes: Any) -> int:
         if not isinstance(module, wanted):
             continue
         found += 1
-        if isinstance(module, _Checkpointed):
+        if is_checkpointed(module):
             continue
-        module.__class__ = _checkpointed_class(type(module))
+        # An instance attribute: plain Python state, so deepcopy and pickle carry it (the
+        # partial holds the module-level function and the module itself).
+        module.forward = functools.partial(_checkpointed_forward, module)
         changed += 1
     if not found:
         names = ", ".join(cls.__name__ for cls in wanted)
