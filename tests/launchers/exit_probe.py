@@ -1,12 +1,15 @@
 """Exit probe: init_dist, a collective and a DDP model kept to the end, then the end of the
 script without destroy_dist.
 
-Usage: exit_probe.py OUTDIR. Writes OUTDIR/rank<R>.done before exiting.
+Usage: exit_probe.py OUTDIR [torch]. Writes OUTDIR/rank<R>.done before exiting. With
+``torch`` the group is made by ``torch.distributed.init_process_group`` (as MMEngine's
+Runner makes it) and comm only sees it afterwards.
 """
 
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,7 +20,11 @@ import comm_core as dist
 
 def main() -> None:
     torch.set_num_threads(1)
-    dist.init_dist("pytorch", timeout=60)
+    if sys.argv[2:] == ["torch"]:
+        torch_dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        dist.is_distributed()  # comm sees the group (every comm call checks for one)
+    else:
+        dist.init_dist("pytorch", timeout=60)
     total = torch.tensor([dist.get_rank() + 1.0])
     torch_dist.all_reduce(total)
     # a DDP model alive to the end, as a training script keeps it

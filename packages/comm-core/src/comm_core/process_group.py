@@ -157,6 +157,11 @@ _AT_EXIT: list[bool] = []
 def _teardown_at_exit() -> None:
     """Destroy the process group when the interpreter exits, once per process.
 
+    Registered by ``init_dist`` and by the first ``is_distributed`` that finds a group (the
+    check under every comm collective, wrapper and query), so a group made by
+    ``torch.distributed.init_process_group`` (MMEngine's Runner, a user's script) gets the
+    same teardown.
+
     A process that ends without ``destroy_dist`` left torch's backend threads running into
     the interpreter's teardown, where their C++ destructors sometimes abort the process
     ("terminate called without an active exception", SIGABRT: 3 to 5 of 16 torchrun runs
