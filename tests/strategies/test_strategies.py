@@ -290,13 +290,29 @@ def test_registry_names_and_errors() -> None:
     assert spec == {"type": "DeepSpeedStrategy", "zero_stage": 2}
     built = build_strategy("ddp")
     assert build_strategy(built) is built
-    with pytest.raises(KeyError, match=r"unknown strategy 'fdsp'\. Available names: .*fsdp2"):
+    with pytest.raises(
+        KeyError, match=r"unknown strategy 'fdsp'\. Did you mean 'fsdp'\? Available names: .*fsdp2"
+    ):
         build_strategy("fdsp")
     with pytest.raises(ValueError) as unknown:  # a clear type, and a message without quotes
         build_strategy("nope")
     assert type(unknown.value).__name__ == "UnknownStrategyError"
     assert str(unknown.value).startswith("unknown strategy 'nope'. Available names: ")
     assert "register_strategy" in str(unknown.value)
+    assert "Did you mean" not in str(unknown.value)
+    for near, meant in (
+        ("DDP", "'ddp'"),
+        ("ddp ", "'ddp'"),
+        ("FSDP", "'fsdp'"),
+        ("fsdp1", "'fsdp'"),
+    ):
+        with pytest.raises(ValueError, match=f"Did you mean {meant}"):
+            build_strategy(near)
+    with pytest.raises(ValueError) as untyped:  # a config without 'type': the same clear error
+        build_strategy({"zero_stage": 2})
+    assert type(untyped.value).__name__ == "UnknownStrategyError"
+    assert str(untyped.value).startswith("a strategy config needs a 'type' key naming")
+    assert "deepspeed" in str(untyped.value)
     with pytest.raises(ValueError, match="fsdp_version must be 1 or 2"):
         build_strategy("fsdp", fsdp_version=3)
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):

@@ -11,6 +11,7 @@ loaded only when that name is asked for (or when the known names are listed)::
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -151,6 +152,16 @@ class UnknownStrategyError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
+def _suggestion(name: str, names: list[str]) -> str:
+    """`` Did you mean 'x'?`` for a near miss (case, spaces, a typo), else ``""``."""
+    lowered = {n.lower(): n for n in names}
+    key = name.strip().lower()
+    close = [lowered[key]] if key in lowered else []
+    close += [lowered[m] for m in difflib.get_close_matches(key, list(lowered), n=2, cutoff=0.75)]
+    close = list(dict.fromkeys(close))[:2]
+    return f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+
+
 def build_strategy(strategy: Any, **kwargs: Any) -> Strategy:
     """Build a strategy from a name, a class name, a config dict, a class or an instance.
 
@@ -164,8 +175,9 @@ def build_strategy(strategy: Any, **kwargs: Any) -> Strategy:
         The strategy (nothing is set up yet).
 
     Raises:
-        UnknownStrategyError: The name is unknown (a `KeyError` and a `ValueError`); the
-            message lists the known names and how to add one.
+        UnknownStrategyError: The name is unknown, or a config dict has no ``type`` (a
+            `KeyError` and a `ValueError`); the message suggests the nearest names, lists
+            the known ones and says how to add one.
 
     Examples:
         >>> build_strategy("fsdp2").fsdp_version
@@ -175,7 +187,7 @@ def build_strategy(strategy: Any, **kwargs: Any) -> Strategy:
         >>> build_strategy("fdsp")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        comm_strategies.registry.UnknownStrategyError: unknown strategy 'fdsp'. Available names: DDPStrategy, ..., fsdp, fsdp2, ...
+        comm_strategies.registry.UnknownStrategyError: unknown strategy 'fdsp'. Did you mean 'fsdp'? Available names: DDPStrategy, ...
     """
     if isinstance(strategy, Strategy):
         if kwargs:
@@ -186,8 +198,11 @@ def build_strategy(strategy: Any, **kwargs: Any) -> Strategy:
     if isinstance(strategy, Mapping):
         options = copy.deepcopy(dict(strategy))
         if "type" not in options:
-            message = f"a strategy config needs a 'type' key, got keys {sorted(strategy)}"
-            raise KeyError(message)
+            message = (
+                f"a strategy config needs a 'type' key naming the strategy (one of "
+                f"{', '.join(available_strategies())}), got keys {sorted(strategy)}"
+            )
+            raise UnknownStrategyError(message)
         strategy = options.pop("type")
     options.update(kwargs)
     if isinstance(strategy, type) and issubclass(strategy, Strategy):
@@ -202,9 +217,10 @@ def build_strategy(strategy: Any, **kwargs: Any) -> Strategy:
                 _load_entry_point(point)
         entry = _REGISTRY.get(strategy)
     if entry is None:
+        names = available_strategies()
         message = (
-            f"unknown strategy {strategy!r}. Available names: "
-            f"{', '.join(available_strategies())}. A strategy of your own: register it with "
+            f"unknown strategy {strategy!r}.{_suggestion(strategy, names)} Available names: "
+            f"{', '.join(names)}. A strategy of your own: register it with "
             "register_strategy, or pass its class"
         )
         raise UnknownStrategyError(message)
