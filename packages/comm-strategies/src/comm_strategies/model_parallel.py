@@ -95,12 +95,24 @@ class ModelParallelStrategy(Strategy):
     Ranks that differ only in their tensor-parallel coordinate must see the same batch:
     take each rank's share with `sampler` (or `data_parallel_rank` and
     `data_parallel_world_size`), not with the world rank. For the same reason
-    ``diff_rank_seed=True`` seeds each rank with ``seed + data_parallel_rank``.
+    ``diff_rank_seed=True`` seeds each rank with ``seed + data_parallel_rank``; the model's
+    initial values are still one model's: rank 0's, broadcast before the plan (as DDP does).
+
+    A model built on the meta device (``with torch.device("meta"): model = Net()``) stays
+    there through the plan and ``fully_shard``; each rank then allocates its shards only
+    (``to_empty``) and initialises them: ``reset_parameters()`` of every submodule that has
+    one, then the model's own ``init_weights()`` if it has one, under the strategy's seed.
+    (A ``parallelize_fn`` that materialises the model itself is left alone.)
 
     Args:
         parallelize_fn: ``fn(model, device_mesh)`` applying the tensor-parallel plan (and
-            optionally activation checkpointing or its own ``fully_shard`` calls); it may
-            return the model (or a replacement), or None. None: no plan (FSDP2 or HSDP only).
+            optionally activation checkpointing or its own ``fully_shard`` calls, over the
+            strategy's shard mesh: ``device_mesh["data_parallel"]``, or
+            ``device_mesh["replicate", "data_parallel"]`` for HSDP); it may return the model
+            (or a replacement module), or None. None: no plan (FSDP2 or HSDP only). When it
+            shards the root itself, the result is still wrapped (the step API), and
+            ``model_wrapper`` options, which only the strategy's ``fully_shard`` takes, are
+            refused.
         data_parallel_size: Ranks that shard the model; None: the world divided by the
             other sizes.
         tensor_parallel_size: Ranks that split each planned layer.
@@ -265,25 +277,110 @@ class ModelParallelStrategy(Strategy):
 
     # ------------------------------------------------------------------ wrapping
     def _wrap_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(rank_device())
+        on_meta = _on_meta(model)
         error: BaseException | None = None
+        sharded = False
         try:
+            if not on_meta:
+                model = model.to(rank_device())
+                self._same_initial_values(model)
             if self.parallelize_fn is not None:
                 returned = self.parallelize_fn(model, self._mesh)
-                if isinstance(returned, nn.Module):
+                if returned is not None and not isinstance(returned, nn.Module):
+                    message = (
+                        "parallelize_fn must return the model (or a replacement nn.Module) or "
+                        f"None, got a {type(returned).__name__}: {_short(returned)}"
+                    )
+                    raise TypeError(message)
+                if returned is not None:
                     model = returned
             _check_even_split(model)
+            self._check_fsdp_meshes(model)
+            sharded = _is_fully_sharded(model)
+            if sharded and self.model_wrapper:
+                message = (
+                    f"model_wrapper options {sorted(self.model_wrapper)} cannot apply: "
+                    "parallelize_fn called fully_shard on the root itself, so the strategy's "
+                    "fully_shard (which takes them) does not run. Pass them to your own "
+                    "fully_shard calls (e.g. mp_policy=MixedPrecisionPolicy(param_dtype="
+                    "torch.bfloat16)), or leave the root's fully_shard to the strategy"
+                )
+                raise ValueError(message)
         except Exception as failure:  # raised on every rank, below
             error = failure
         # Every rank raises when any rank's plan failed: none of them goes on to a forward
         # whose collectives the failed rank would never join.
         dist.agree("ModelParallelStrategy.parallelize_fn", error)
-        if _is_fully_sharded(model):
-            return model  # the function sharded the root itself
-        wrapped: nn.Module = MMFullyShardedDataParallel2(
-            model, mesh=self._shard_mesh(), **copy.deepcopy(self.model_wrapper)
-        )
+        wrapped: nn.Module
+        if sharded:  # the function sharded the root itself: the same wrapper, no new shard
+            wrapped = _wrapper_of_sharded(model, self._shard_mesh())
+        else:
+            wrapped = MMFullyShardedDataParallel2(
+                model, mesh=self._shard_mesh(), **copy.deepcopy(self.model_wrapper)
+            )
+        if on_meta and _on_meta(model):  # (unless parallelize_fn materialised it itself)
+            self._materialise(model)
         return wrapped
+
+    def _same_initial_values(self, model: nn.Module) -> None:
+        """Under ``diff_rank_seed``, give every rank rank 0's parameters and buffers.
+
+        The ranks built the model under different seeds; the shards of one model must come
+        from one set of values, as DDP's broadcast at construction makes them (the model is
+        then what one process seeded with the strategy's seed builds).
+        """
+        if not (self.diff_rank_seed and self.world_size > 1):
+            return
+        import torch.distributed as torch_dist
+
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                torch_dist.broadcast(tensor.data, src=0)
+
+    def _check_fsdp_meshes(self, model: nn.Module) -> None:
+        """Raise when ``fully_shard`` ran (in ``parallelize_fn``) over another mesh than the strategy's.
+
+        Under HSDP a module sharded over ``mesh["data_parallel"]`` alone never reduces its
+        gradients across the replicas: they would train apart.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        expected = self._shard_mesh()
+        for name, module in model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                mesh = group.mesh_info.mesh
+                if _same_mesh(mesh, expected):
+                    continue
+                where = f"module {name!r}" if name else "the root module"
+                message = (
+                    f"rank {self.rank}: parallelize_fn called fully_shard on {where} over the "
+                    f"mesh {_describe(mesh)}, but this strategy shards over {_describe(expected)}; "
+                    "its gradients would not be reduced over every data-parallel rank. Pass "
+                    "mesh=device_mesh["
+                    + ", ".join(repr(n) for n in expected.mesh_dim_names)
+                    + "] to fully_shard (or leave fully_shard to the strategy)"
+                )
+                raise ValueError(message)
+
+    def _materialise(self, model: nn.Module) -> None:
+        """Allocate a meta model's (sharded) tensors on this rank's device and initialise them.
+
+        ``reset_parameters()`` of every submodule that has one, then the model's own
+        ``init_weights()`` when it has one, under the strategy's common seed (the random
+        state afterwards is what it was).
+        """
+        model.to_empty(device=rank_device())
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(self._seed if self._seed is not None else 0)
+            for module in model.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+            init_weights = getattr(model, "init_weights", None)
+            if callable(init_weights):
+                init_weights()
 
     def teardown(self) -> None:
         """Forget the mesh, then destroy the process group if `setup_env` created it."""
@@ -305,6 +402,39 @@ def _is_fully_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def _wrapper_of_sharded(model: nn.Module, mesh: Any) -> nn.Module:
+    """`MMFullyShardedDataParallel2` around a root ``fully_shard`` was applied to already.
+
+    The step API (``train_step``, ``no_sync``) without a second ``fully_shard``.
+    """
+    wrapper = MMFullyShardedDataParallel2.__new__(MMFullyShardedDataParallel2)
+    nn.Module.__init__(wrapper)
+    wrapper.mesh = mesh
+    wrapper.module = model
+    return wrapper
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _same_mesh(mesh: Any, other: Any) -> bool:
+    return bool(
+        tuple(mesh.mesh_dim_names or ()) == tuple(other.mesh_dim_names or ())
+        and mesh.mesh.tolist() == other.mesh.tolist()
+    )
+
+
+def _describe(mesh: Any) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return f"{tuple(names)} of ranks {mesh.mesh.tolist()}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _check_even_split(model: nn.Module) -> None:
     """Raise when the plan split a parameter along a dimension its mesh does not divide.
 
@@ -318,13 +448,16 @@ def _check_even_split(model: nn.Module) -> None:
         if not isinstance(param, DTensor):
             continue
         mesh = param.device_mesh
+        names = mesh.mesh_dim_names or ()
         for axis, placement in enumerate(param.placements):
             if not isinstance(placement, Shard):
                 continue
+            if axis < len(names) and names[axis] in (DATA_PARALLEL, REPLICATE):
+                continue  # FSDP's own shards (parallelize_fn's fully_shard): uneven is fine
             size = mesh.size(axis)
             length = param.shape[placement.dim]
             if length % size:
-                axis_name = (mesh.mesh_dim_names or [f"dim {axis}"])[axis]
+                axis_name = names[axis] if axis < len(names) else f"dim {axis}"
                 message = (
                     f"the tensor-parallel plan splits {name} (shape {tuple(param.shape)}) "
                     f"along dimension {placement.dim} of length {length} over the "

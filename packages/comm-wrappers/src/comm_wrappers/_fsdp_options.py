@@ -126,7 +126,21 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def wrap_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module, int], bool] | None:
-    """Turn an FSDP1 policy into ``predicate(module, unwrapped_numel) -> wrap it?`` (FSDP2)."""
+    """Turn an FSDP1 policy into ``predicate(module, unwrapped_numel) -> wrap it?`` (FSDP2).
+
+    A module ``fully_shard`` was applied to already (by the user's code) is never chosen
+    again: torch refuses a second ``fully_shard``, and the module is a unit already.
+    """
+    predicate = _policy_predicate(policy, root)
+    if predicate is None:
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    chosen = predicate
+    return lambda module, numel: not isinstance(module, FSDPModule) and chosen(module, numel)
+
+
+def _policy_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module, int], bool] | None:
     if policy is None:
         return None
     if isinstance(policy, fsdp_wrap.ModuleWrapPolicy):
