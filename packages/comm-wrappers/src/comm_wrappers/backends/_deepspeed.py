@@ -79,14 +79,16 @@ class DeepSpeedBackend(Backend):
         return {"wrapper": self.kind, "sharding": None, "zero_stage": self._stage()}
 
     def param_shapes(self) -> dict[str, list[Any]]:
-        """``{name: [shape, dtype]}`` of the engine's module (ZeRO-3's full shapes)."""
+        """``{name: [shape, dtype]}`` of the engine's module (ZeRO-3's full shapes).
+
+        The names of its state dict, as every other backend gives them: each name of a
+        tied parameter (``out.weight`` beside ``embed.weight``), persistent buffers only.
+        """
         out: dict[str, list[Any]] = {}
-        module = self._target()
-        for name, parameter in module.named_parameters():
-            shape = getattr(parameter, "ds_shape", parameter.shape)
-            out[name] = [list(shape), str(parameter.dtype).removeprefix("torch.")]
-        for name, buffer in module.named_buffers():
-            out[name] = [list(buffer.shape), str(buffer.dtype).removeprefix("torch.")]
+        for name, value in self._target().state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor):
+                shape = getattr(value, "ds_shape", value.shape)
+                out[name] = [list(shape), str(value.dtype).removeprefix("torch.")]
         return out
 
     @contextlib.contextmanager
