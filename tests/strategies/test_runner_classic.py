@@ -8,6 +8,10 @@ the trained parameters. The rank bodies run on every rank of a real gloo world.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -107,6 +111,8 @@ def train_stop_resume(wrapper: dict[str, Any], folder: str) -> dict[str, Any]:
     result = {"straight": _state(straight), "accuracy": metrics["accuracy"]}
     _runner(f"{folder}/stopped", EPOCHS - 1, wrapper=wrapper).train()
     resumed = _runner(f"{folder}/stopped", EPOCHS, wrapper=wrapper, resume=True)
+    if wrapper.get("fsdp_version") == 2:  # resumed before train(): the optimizer unbuilt
+        resumed.load_or_resume()
     resumed.train()
     result["resumed"] = _state(resumed)
     result["checkpoints"] = sorted(p.name for p in Path(f"{folder}/stopped").glob("*.pth"))
@@ -237,6 +243,7 @@ def test_without_the_opt_in_mmengine_wrapper_names_are_mmengine_s_own() -> None:
         assert MODEL_WRAPPERS.get(name) is getattr(integration, name)
     before = dict(MODEL_WRAPPERS.module_dict)
     default = runner_module.MMDistributedDataParallel
+    mmengine_init_dist = runner_module.init_dist
     integration.use_comm_wrappers()
     integration.use_comm_wrappers()  # a second call changes nothing
     try:
@@ -250,14 +257,60 @@ def test_without_the_opt_in_mmengine_wrapper_names_are_mmengine_s_own() -> None:
             is integration.CommFullyShardedDataParallel
         )
         assert runner_module.MMDistributedDataParallel is integration.CommDistributedDataParallel
+        assert runner_module.init_dist is not mmengine_init_dist
     finally:
         integration.use_comm_wrappers(False)
     assert not integration.comm_wrappers_in_use()
     assert dict(MODEL_WRAPPERS.module_dict) == before
     assert runner_module.MMDistributedDataParallel is default
+    assert runner_module.init_dist is mmengine_init_dist
     assert not [k for k in MODEL_WRAPPERS.children["comm"].module_dict if k.startswith("mmengine_")]
 
 
 def test_fsdp_version_must_be_1_or_2() -> None:
     with pytest.raises(ValueError, match="fsdp_version must be 1 or 2, got 3"):
         integration.CommFullyShardedDataParallel(torch.nn.Linear(1, 1), fsdp_version=3)
+
+
+_STARTS_ITS_OWN_GROUP = """
+import torch
+from mmengine.runner import Runner
+import comm_collectives as dist
+from comm_strategies.integrations.mmengine import use_comm_wrappers
+from tests.strategies.test_runner import Classifier, Points
+use_comm_wrappers()
+loader = dict(dataset=Points(), sampler=dict(type="DefaultSampler", shuffle=False),
+              batch_size=4, num_workers=0)
+runner = Runner(model=Classifier(), work_dir=WORK, train_dataloader=loader,
+                optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.1)),
+                train_cfg=dict(by_epoch=True, max_epochs=1), launcher="pytorch",
+                default_hooks=dict(logger=dict(type="LoggerHook", interval=100)),
+                log_level="WARNING")  # MMEngine's default dist_cfg: backend nccl
+runner.train()
+print("RESULT", dist.get_backend(), dist.get_world_size(), type(runner.model).__name__)
+"""
+
+
+def test_the_opt_in_lets_the_runner_start_its_group_without_cuda(tmp_path: Path) -> None:
+    """MMEngine's init_dist calls torch.cuda.set_device, which fails without CUDA; under
+    the opt-in the Runner starts its group with comm's (nccl becomes gloo there)."""
+    if torch.cuda.is_available():
+        pytest.skip("the case is a machine without CUDA")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="1")
+    script = f"WORK = {str(tmp_path)!r}\n" + _STARTS_ITS_OWN_GROUP
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RESULT gloo 1 CommDistributedDataParallel" in done.stdout, done.stdout

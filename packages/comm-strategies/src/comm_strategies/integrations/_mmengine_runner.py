@@ -9,6 +9,7 @@ import inspect
 import sys
 from collections import OrderedDict
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -259,7 +260,10 @@ def use_comm_wrappers(enable: bool = True) -> None:
     `CommDistributedDataParallel`, `CommSeparateDistributedDataParallel` and
     `CommFullyShardedDataParallel`, and the ``Runner``'s default wrapper (used when a
     config has no ``model_wrapper_cfg``) is `CommDistributedDataParallel`: an existing
-    config runs on the CPU (gloo) and gets comm's behaviour. MMEngine's own classes stay
+    config runs on the CPU (gloo) and gets comm's behaviour. The ``Runner`` also starts
+    its process group with `comm_core.init_dist` (MMEngine's own calls
+    ``torch.cuda.set_device`` and fails without CUDA; its default backend nccl becomes
+    gloo there). MMEngine's own classes stay
     registered (under ``comm`` scope names ``mmengine_<name>``) so its
     ``is_model_wrapper`` still knows models wrapped before. ``use_comm_wrappers(False)``
     puts back exactly what was there. Nothing changes in MMEngine unless this is called.
@@ -287,7 +291,9 @@ def use_comm_wrappers(enable: bool = True) -> None:
         saved: dict[str, Any] = {
             "registry": {name: MODEL_WRAPPERS.module_dict.get(name) for name in _MMENGINE_NAMES},
             "default": runner_module.MMDistributedDataParallel,
+            "init_dist": runner_module.init_dist,
         }
+        runner_module.init_dist = _comm_init_dist
         child = _comm_registry()
         for name, original in saved["registry"].items():
             if original is not None:
@@ -304,7 +310,31 @@ def use_comm_wrappers(enable: bool = True) -> None:
                 MODEL_WRAPPERS.register_module(name=name, module=original, force=True)
             _comm_registry().module_dict.pop(f"mmengine_{name}", None)
         runner_module.MMDistributedDataParallel = _saved["default"]
+        runner_module.init_dist = _saved["init_dist"]
         _saved = None
+
+
+def _comm_init_dist(
+    launcher: str, backend: str = "nccl", init_backend: str = "torch", **kwargs: Any
+) -> None:
+    """MMEngine's ``init_dist`` as the ``Runner`` calls it, done by `comm_core.init_dist`.
+
+    MMEngine's own selects a CUDA device unconditionally (``torch.cuda.set_device``), which
+    fails on a machine without CUDA; comm's selects one only for a CUDA backend, and runs
+    the same launchers. Without CUDA, ``backend="nccl"`` (MMEngine's default) becomes gloo.
+    """
+    if init_backend != "torch" or launcher not in ("pytorch", "slurm", "mpi"):
+        assert _saved is not None
+        _saved["init_dist"](launcher, backend, init_backend=init_backend, **kwargs)
+        return
+    from comm_core import init_dist
+
+    if backend == "nccl" and not torch.cuda.is_available():
+        backend = "gloo"
+    timeout = kwargs.pop("timeout", None)
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    init_dist(launcher, backend, timeout=timeout, **kwargs)
 
 
 def _sharded_root(model: Any) -> nn.Module | None:
@@ -460,9 +490,17 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
         optim_wrapper = runner.optim_wrapper
         optim_state = checkpoint.get("optimizer")
         resuming = bool(getattr(runner, "_resume", True))  # load_from loads weights only
-        if not (resuming and isinstance(optim_wrapper, OptimWrapper)):
+        if not (resuming and isinstance(optim_state, dict)):
             return
-        if not isinstance(optim_state, dict):
+        if isinstance(optim_wrapper, Mapping):
+            # load_or_resume() before train(): the optimizer is still its config. The
+            # runner would build it after this hook and load the full, name-keyed state
+            # into the shards; build it now (over the sharded parameters; the runner's
+            # later build returns it unchanged) so the state goes through torch's API.
+            optim_wrapper = runner.optim_wrapper = runner.build_optim_wrapper(optim_wrapper)
+            if isinstance(optim_wrapper, OptimWrapper):
+                _add_saved_group_keys(optim_wrapper.optimizer, optim_state)
+        if not isinstance(optim_wrapper, OptimWrapper):
             return
         if not _is_full_optimizer_state(optim_state):
             message = (
@@ -475,6 +513,16 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
         set_optimizer_state_dict(root, optim_wrapper.optimizer, optim_state, options=options)
         # The runner's resume loads ``optimizer`` next: this rank's state, as loaded.
         checkpoint["optimizer"] = optim_wrapper.state_dict()
+
+
+def _add_saved_group_keys(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Give a just-built optimizer's groups the keys the saved run's schedulers added
+    (``initial_lr``): torch's loader needs the same keys in both, and the schedulers
+    built next keep a value already set."""
+    for group, saved in zip(optimizer.param_groups, state.get("param_groups", [])):
+        for key, value in saved.items():
+            if key != "params":
+                group.setdefault(key, value)
 
 
 def _without_child_wrappers(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
