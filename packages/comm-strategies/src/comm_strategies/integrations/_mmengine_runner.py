@@ -92,26 +92,14 @@ class CommSeparateDistributedDataParallel(MMSeparateDistributedDataParallel):
 
     Args:
         module: The model; its direct children are wrapped.
-        broadcast_buffers: See `MMSeparateDistributedDataParallel`.
-        find_unused_parameters: Passed to each child's DDP.
-        **kwargs: Other DDP keywords.
+        **kwargs: The keywords of `MMSeparateDistributedDataParallel` (``broadcast_buffers``,
+            ``find_unused_parameters``, other DDP keywords).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        broadcast_buffers: bool = False,
-        find_unused_parameters: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         if _module_on_cpu(module):
             kwargs = {k: v for k, v in kwargs.items() if k not in ("device_ids", "output_device")}
-        super().__init__(
-            module,
-            broadcast_buffers=broadcast_buffers,
-            find_unused_parameters=find_unused_parameters,
-            **kwargs,
-        )
+        super().__init__(module, **kwargs)
 
 
 def _init_before_sharding(module: nn.Module) -> None:
