@@ -12,6 +12,8 @@ torch leaves it), within the matrix's 1e-5.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,9 +105,9 @@ def oracle(unused: bool) -> dict[str, torch.Tensor]:
     return full_params(model)
 
 
-def save_sources(root: str, unused: bool) -> dict[str, Any]:
+def save_sources(root: str, unused: bool, kinds: tuple[str, ...] = ()) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for kind in SOURCES:
+    for kind in kinds or SOURCES:
         model, optim = build(kind, 0, unused)
         train(kind, model, optim, range(BEFORE))
         path = save_checkpoint(
@@ -149,3 +151,41 @@ def test_tied_weights_resume_under_every_kind(comm_pools: Any, tmp_path: Any) ->
     saved = comm_pools.get(2).run(save_sources, str(tmp_path), False, timeout=300)
     assert saved[0]["saved_states"] == ["lin1.bias", "lin1.weight", "mid.weight"]
     resume_everywhere(comm_pools, str(tmp_path), unused=False)
+
+
+def test_parameters_without_optimizer_state_resume_under_every_kind(
+    comm_pools: Any, tmp_path: Any
+) -> None:
+    """The unused layer has no optimizer state in the checkpoint: it gets none on resume
+    (torch's loads refused: DCP's "Missing key in checkpoint state_dict", the full
+    "Missing optimizer state for parameter")."""
+    saved = comm_pools.get(2).run(save_sources, str(tmp_path), True, timeout=300)
+    assert saved[0]["saved_states"] == ["lin1.bias", "lin1.weight", "mid.weight"]
+    resume_everywhere(comm_pools, str(tmp_path), unused=True)
+
+
+def load_damaged(root: str) -> tuple[str, str]:
+    """An FSDP2 checkpoint whose shard files are empty: torch's load raises its
+    CheckpointException, a BaseException that ``except Exception`` let through."""
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{root}/fsdp2", f"{root}/damaged")
+        for shard in Path(f"{root}/damaged").rglob("*.distcp"):
+            shard.write_bytes(b"")
+    dist.barrier()
+    model, optim = build("fsdp2", 123, True)
+    try:
+        load_checkpoint(f"{root}/damaged", model=model, optim_wrapper=optim)
+    except BaseException as error:  # the type is the result
+        return type(error).__name__, str(error)
+    return "", ""
+
+
+def test_a_damaged_dcp_checkpoint_raises_checkpoint_error_on_every_rank(
+    comm_pools: Any, tmp_path: Any
+) -> None:
+    comm_pools.get(2).run(save_sources, str(tmp_path), True, ("fsdp2",), timeout=300)
+    results = comm_pools.get(2).run(load_damaged, str(tmp_path), timeout=300)
+    for rank, (kind, message) in enumerate(results):
+        assert kind == "CheckpointError", (rank, kind, message[:500])
+        assert f"{tmp_path}/damaged" in message, message
+        assert f"on rank {rank}" in message, message

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -225,7 +226,9 @@ class DcpFormat:
         try:
             with quiet_torch():
                 dcp_save(state, checkpoint_id=str(folder / DCP_FOLDER))
-        except Exception as caught:  # DCP gathers the ranks' failures and raises everywhere
+        # DCP gathers the ranks' failures and raises everywhere, a CheckpointException
+        # (a BaseException: ``except Exception`` misses it)
+        except (Exception, CheckpointException) as caught:
             message = (
                 f"torch distributed checkpoint could not write {folder / DCP_FOLDER}: {caught}"
             )
@@ -250,15 +253,44 @@ class DcpFormat:
         state = sharded_state(backend, request.optimizers)
         if skipped:
             state["model"] = {k: v for k, v in state["model"].items() if k not in skipped}
+        folder = source / DCP_FOLDER
         try:
+            if request.optimizers:
+                _drop_unsaved_optim_state(state["optim"], _dcp_keys(folder))
             with quiet_torch():
-                dcp_load(state, checkpoint_id=str(source / DCP_FOLDER))
-        except Exception as caught:
-            message = f"torch distributed checkpoint could not read {source / DCP_FOLDER}: {caught}"
+                dcp_load(state, checkpoint_id=str(folder))
+        except (Exception, CheckpointException) as caught:  # the latter: a BaseException
+            message = (
+                f"torch distributed checkpoint could not read {folder} on rank "
+                f"{dist.get_rank()}: {caught}"
+            )
             raise CheckpointError(message) from caught
         backend.load_model_state(state["model"], full=False, strict=request.strict)
         for key, optimizer in request.optimizers.items():
             backend.load_optim_state(optimizer, state["optim"][key], full=False)
+
+
+def _dcp_keys(folder: Path) -> set[str]:
+    """The flattened names of every entry a DCP folder holds (from its metadata)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    return set(metadata.state_dict_metadata)
+
+
+def _drop_unsaved_optim_state(optim: dict[str, Any], saved: set[str]) -> None:
+    """Leave out of the optimizers' sharded states the parameters the checkpoint holds no
+    state for: the saver's optimizer had none for them (no gradient yet, as a parameter
+    unused so far), so they get none here either, as in the run that saved. torch builds
+    a state for every parameter before a load; DCP would refuse the missing entries."""
+    for key, state in optim.items():
+        entries = state.get("state") if isinstance(state, dict) else None
+        if not isinstance(entries, dict):
+            continue
+        for name in list(entries):
+            prefix = f"optim.{key}.state.{name}."
+            if not any(k.startswith(prefix) for k in saved):
+                del entries[name]
 
 
 def read_dcp_full(source: Path) -> dict[str, Any]:
@@ -281,7 +313,7 @@ def read_dcp_full(source: Path) -> dict[str, Any]:
                 planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
                 no_dist=True,
             )
-    except Exception as caught:
+    except (Exception, CheckpointException) as caught:  # the latter: a BaseException
         message = f"torch distributed checkpoint could not read {folder}: {caught}"
         raise CheckpointError(message) from caught
     return state

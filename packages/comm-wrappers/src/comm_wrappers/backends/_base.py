@@ -272,6 +272,9 @@ class Backend:
         # Unsharded models hold full tensors: nothing to distribute. torch's full path also
         # needs one tensor state to find the device: without one there is nothing to shard.
         full = full and self._shards and has_tensor_state(state)
+        # A parameter the saved groups list without a state had no gradient yet when it
+        # was saved: it gets no state here either (torch's strict load would refuse it).
+        strict = strict and not _stateless_names(state)
         options = dsd.StateDictOptions(full_state_dict=full, strict=strict)
         with quiet_torch():
             dsd.set_optimizer_state_dict(self._target(), optimizer, dict(state), options=options)
@@ -279,6 +282,22 @@ class Backend:
     def optimizer_not_portable(self) -> str | None:
         """None, or why the optimizer state has no per-parameter full form (DeepSpeed)."""
         return None
+
+
+def _stateless_names(state: Mapping[str, Any]) -> list[str]:
+    """The parameters an optimizer state's groups list but that have no state entry: the
+    saver's optimizer held them without a state (no gradient had reached them)."""
+    entries = state.get("state", {})
+    groups = state.get("param_groups", [])
+    if not isinstance(entries, Mapping) or not isinstance(groups, list):
+        return []
+    return [
+        name
+        for group in groups
+        if isinstance(group, Mapping)
+        for name in group.get("params", [])
+        if isinstance(name, str) and name not in entries
+    ]
 
 
 def new_grad_scaler(device_type: str, *, sharded: bool, **kwargs: Any) -> torch.amp.GradScaler:

@@ -332,10 +332,15 @@ class DeepSpeedBackend(Backend):
             for _, flat, params in groups:
                 keys = _element_keys(base.state.get(flat, {}), flat)
                 for param in params:
-                    entry = saved_states.get(names[id(param)])
+                    name = names[id(param)]
+                    entry = saved_states.get(name)
                     if not keys or not param.requires_grad:
                         continue
-                    if not entry and not strict:
+                    if not entry and name in group_of:
+                        # saved without a state (no gradient yet): zero moments, which a
+                        # step with no gradient leaves as torch's absent state would
+                        entry = {key: torch.zeros(_shape(param)) for key in keys}
+                    elif not entry and not strict:
                         continue  # strict=False: this parameter keeps its own state
                     if not entry:
                         message = (
