@@ -120,6 +120,15 @@ class DeepSpeedStrategy(Strategy):
     def _engine_config(self, optim_wrapper: Any, dispatch: Mapping[str, Any]) -> dict[str, Any]:
         config = copy.deepcopy(self.config)
         if isinstance(optim_wrapper, Mapping):
+            for unsupported in ("constructor", "paramwise_cfg"):  # refused as elsewhere
+                if unsupported in optim_wrapper:
+                    message = (
+                        f"optim_wrapper config key {unsupported!r} is not supported by "
+                        "DeepSpeedStrategy (the engine would train without it): build the "
+                        "optimizer yourself (parameter groups included) and pass it as "
+                        f"'optimizer'; got {unsupported}={optim_wrapper[unsupported]!r}"
+                    )
+                    raise ValueError(message)
             counts = optim_wrapper.get("accumulative_counts")
             clip = optim_wrapper.get("clip_grad")
             wrapper_type = optim_wrapper.get("type", "OptimWrapper")
