@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import functools
 import importlib
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -77,9 +78,14 @@ def coerce_auto_wrap_policy(value: Any, module: nn.Module) -> Any:
     """Turn MMEngine's forms of ``auto_wrap_policy`` into a policy torch's FSDP accepts.
 
     Accepted: None; a callable or torch policy object (unchanged); a policy name
-    (``"size_based_auto_wrap_policy"``...); ``dict(type=name, **kwargs)`` (kwargs bound, and
-    ``transformer_layer_cls`` may give class names); a module class, a class name, or a
-    list/set of them (every instance of those classes becomes its own FSDP unit).
+    (``"size_based_auto_wrap_policy"``...), a dotted import path
+    (``"torch.distributed.fsdp.wrap.size_based_auto_wrap_policy"``, as MMEngine configs name
+    torch's policies) or a name in MMEngine's ``FUNCTIONS`` registry (looked up when MMEngine
+    is imported already); ``dict(type=..., **kwargs)`` with ``type`` any of those forms or
+    the function itself (lazy-import configs), the kwargs bound (``transformer_layer_cls``
+    may give class names; a policy class such as ``ModuleWrapPolicy`` is built with them);
+    a module class, a class name of the model, or a list/set of them (every instance of
+    those classes becomes its own FSDP unit).
     """
     if value is None or isinstance(value, fsdp_wrap._Policy):
         return value
@@ -88,27 +94,31 @@ def coerce_auto_wrap_policy(value: Any, module: nn.Module) -> Any:
     if isinstance(value, Mapping):
         kwargs = dict(value)
         name = kwargs.pop("type", None)
-        if not isinstance(name, str) or name not in _POLICIES:
-            message = f"auto_wrap_policy dict needs type= one of {_names(_POLICIES)}, got {name!r}"
+        policy = _resolve_function(name, _POLICIES)
+        if policy is None:
+            message = (
+                f"auto_wrap_policy dict needs type= {_accepted(_POLICIES, 'a policy name')}; "
+                f"got {name!r}"
+            )
             raise ValueError(message)
         if "transformer_layer_cls" in kwargs:
             kwargs["transformer_layer_cls"] = _resolve_classes(
                 _as_list(kwargs["transformer_layer_cls"]), module, "transformer_layer_cls"
             )
-        return functools.partial(_POLICIES[name], **kwargs)
-    if isinstance(value, str) and value in _POLICIES:
-        policy = _POLICIES[value]
-        if value != "size_based_auto_wrap_policy":
-            message = f"auto_wrap_policy {value!r} needs arguments: pass dict(type={value!r}, ...)"
-            raise ValueError(message)
-        return policy
+        if isinstance(policy, type) and issubclass(policy, fsdp_wrap._Policy):
+            return policy(**kwargs)
+        return functools.partial(policy, **kwargs) if kwargs else policy
+    if isinstance(value, str) and value not in _classes_by_name(module):
+        policy = _resolve_function(value, _POLICIES)
+        if policy is not None:
+            return _bare_policy(policy, value)
     if isinstance(value, (str, type, list, tuple, set, frozenset)):
         try:
             classes = _resolve_classes(_as_list(value), module, "auto_wrap_policy")
         except ValueError as error:
             message = (
-                f"{error}; auto_wrap_policy may also be a policy name "
-                f"({_names(_POLICIES)}) or dict(type=name, ...)"
+                f"{error}; auto_wrap_policy may also be {_accepted(_POLICIES, 'a policy name')}, "
+                "or dict(type=that, **kwargs)"
             )
             raise ValueError(message) from None
         return fsdp_wrap.ModuleWrapPolicy(classes)
@@ -117,6 +127,62 @@ def coerce_auto_wrap_policy(value: Any, module: nn.Module) -> Any:
         f"classes / class names, got {type(value).__name__}"
     )
     raise TypeError(message)
+
+
+def _bare_policy(policy: Callable[..., Any], name: str) -> Any:
+    """A policy named by a string alone (no arguments to bind)."""
+    if isinstance(policy, type) and issubclass(policy, nn.Module):
+        return fsdp_wrap.ModuleWrapPolicy({policy})
+    if policy in (_POLICIES["transformer_auto_wrap_policy"], _POLICIES["lambda_auto_wrap_policy"]):
+        message = f"auto_wrap_policy {name!r} needs arguments: pass dict(type={name!r}, ...)"
+        raise ValueError(message)
+    if isinstance(policy, type) and issubclass(policy, fsdp_wrap._Policy):
+        return policy()
+    return policy
+
+
+def _mmengine_functions() -> Any:
+    """MMEngine's ``FUNCTIONS`` registry when MMEngine is imported already, else None.
+
+    comm-wrappers never imports MMEngine itself (it is not a dependency): a program that
+    registers functions there has imported it.
+    """
+    registry = sys.modules.get("mmengine.registry")
+    return getattr(registry, "FUNCTIONS", None)
+
+
+def _resolve_function(value: Any, short_names: Mapping[str, Callable[..., Any]]) -> Any:
+    """A callable from a callable, a short name, a dotted path or MMEngine's ``FUNCTIONS``.
+
+    Returns None when ``value`` names no callable.
+    """
+    if callable(value):
+        return value
+    if not isinstance(value, str) or not value:
+        return None
+    if value in short_names:
+        return short_names[value]
+    found = _import_object(value)
+    if found is None:
+        functions = _mmengine_functions()
+        if functions is not None:
+            try:
+                found = functions.get(value)
+            except Exception:  # a bad name is reported by the caller
+                found = None
+    return found if callable(found) else None
+
+
+def _accepted(short_names: Iterable[str], what: str) -> str:
+    """What a function option accepts, for error messages."""
+    if _mmengine_functions() is not None:
+        registry = "a name registered in MMEngine's FUNCTIONS registry"
+    else:
+        registry = "a name in MMEngine's FUNCTIONS registry (looked up once mmengine is imported)"
+    return (
+        f"{what} ({_names(short_names)}), the function itself, a dotted import path "
+        f"'package.module.function', or {registry}"
+    )
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -235,31 +301,36 @@ def _reset_parameters(module: nn.Module, device: str | torch.device = "cpu") -> 
 
 
 def coerce_param_init_fn(value: Any) -> Callable[[nn.Module], None] | None:
-    """A callable, a registered name or dotted path, or ``dict(type=name, **kwargs)``."""
+    """A callable, a registered name, a dotted path, a name in MMEngine's ``FUNCTIONS``
+    registry (when MMEngine is imported), or ``dict(type=any of those, **kwargs)``."""
     if value is None or callable(value):
         return value  # type: ignore[no-any-return]
     kwargs: dict[str, Any] = {}
     if isinstance(value, Mapping):
         kwargs = dict(value)
         value = kwargs.pop("type", None)
-    if isinstance(value, str):
-        fn = _PARAM_INIT_FNS.get(value) or _import_function(value)
-        if fn is not None:
-            return functools.partial(fn, **kwargs) if kwargs else fn
+    fn = _resolve_function(value, _PARAM_INIT_FNS)
+    if fn is not None:
+        return functools.partial(fn, **kwargs) if kwargs else fn
     message = (
-        "param_init_fn must be a callable, a registered name "
-        f"({_names(_PARAM_INIT_FNS)}), a dotted path 'package.module.function', or "
-        f"dict(type=name, **kwargs); got {value!r}"
+        f"param_init_fn must be {_accepted(_PARAM_INIT_FNS, 'a registered name')}, or "
+        f"dict(type=any of those, **kwargs); got {value!r}. register_param_init_fn(name) "
+        "registers a function under a name"
     )
     raise ValueError(message)
 
 
-def _import_function(path: str) -> Callable[..., None] | None:
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        return None
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError:
-        return None
-    return fn if callable(fn) else None
+def _import_object(path: str) -> Any:
+    """``"package.module.attr"`` (or ``"package.module.Class.attr"``) -> the object, or None."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            found = getattr(found, attr, None)
+            if found is None:
+                return None
+        return found
+    return None
