@@ -4,8 +4,8 @@
 dict) and holds ``unused``, a trainable layer its forward never calls: no gradient ever
 reaches it, so a torch optimizer keeps no state for it. Sources (one process, FSDP2 in
 DCP shards, DeepSpeed ZeRO-1 and ZeRO-2) train ``BEFORE`` steps at world 2 and save;
-targets resume each at worlds 1 and 2 and train ``AFTER`` more. The result must equal one
-plain-torch process that never stopped (AdamW without weight decay: DeepSpeed's flat
+targets (these and ZeRO-3) resume each at worlds 1 and 2, train ``AFTER`` more steps,
+and must equal one plain-torch process that never stopped (AdamW without weight decay: DeepSpeed's flat
 partitions step the unused layer with a zero gradient, which leaves it unchanged, as
 torch leaves it), within the matrix's 1e-5.
 """
@@ -137,7 +137,7 @@ def resume_all(root: str, targets: list[str], unused: bool) -> dict[str, float]:
 
 
 def resume_everywhere(comm_pools: Any, root: str, unused: bool) -> None:
-    for world, targets in ((2, SOURCES[1:]), (1, ["single", "zero2"])):
+    for world, targets in ((2, [*SOURCES[1:], "zero3"]), (1, ["single", "zero2"])):
         results = comm_pools.get(world).run(resume_all, root, targets, unused, timeout=600)
         for rank_results in results:
             assert len(rank_results) == len(targets) * len(SOURCES)
