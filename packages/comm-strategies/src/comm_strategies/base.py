@@ -18,6 +18,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 import comm_collectives as dist
+from comm_wrappers.backends import rank_device
 
 from . import checkpoint
 from ._activation import apply_activation_checkpointing, coerce_activation_checkpointing
@@ -293,6 +294,31 @@ class Strategy:
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         """Place and wrap the model; subclasses override."""
         raise NotImplementedError
+
+    def _same_initial_values(self, model: nn.Module) -> None:
+        """Under ``diff_rank_seed``, give every rank rank 0's parameters and buffers.
+
+        The ranks built the model under different seeds (``seed + rank``); the shards of one
+        model must come from one set of values, as DDP's broadcast at construction makes
+        them: the model is then what one process seeded with the strategy's seed builds.
+        Sharding strategies (``fsdp``, ``fsdp2``, ``model_parallel``) call it before they
+        shard; each rank's random generators are left as they were. Tensors on the meta
+        device (initialised later, on each rank) are skipped; a tensor on another device
+        than the group communicates on goes through a copy there.
+        """
+        if not (self.diff_rank_seed and self.world_size > 1):
+            return
+        device = rank_device()
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_meta:
+                    continue
+                if tensor.device == device:
+                    torch_dist.broadcast(tensor.data, src=0)
+                else:
+                    staged = tensor.data.to(device)
+                    torch_dist.broadcast(staged, src=0)
+                    tensor.data.copy_(staged)
 
     def _compile(self, model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
         if not compile:

@@ -28,6 +28,11 @@ class FSDPStrategy(Strategy):
     Schedulers passed in built are kept and follow the rebuilt optimizer. Clipping by norm
     in the `OptimWrapper` uses the whole model's norm, as DDP would.
 
+    ``diff_rank_seed=True`` seeds each rank with ``seed + rank``; the model's initial values
+    are still one model's: rank 0's parameters and buffers, broadcast before sharding (as
+    DDP does at construction), so the sharded model is what one process seeded with
+    ``seed`` builds. (A model on the meta device is initialised by each rank afterwards.)
+
     Args:
         fsdp_version: ``1`` (``FullyShardedDataParallel``) or ``2`` (``fully_shard``).
         model_wrapper: Options of the wrapper in MMEngine's forms, e.g.
@@ -60,6 +65,7 @@ class FSDPStrategy(Strategy):
             raise ValueError(message)
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
+        self._same_initial_values(model)  # diff_rank_seed: one model's values, not a patchwork
         wrapper = _VERSIONS[self.fsdp_version]
         wrapped: nn.Module = wrapper(model, **copy.deepcopy(self.model_wrapper))
         return wrapped

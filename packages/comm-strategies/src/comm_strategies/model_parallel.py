@@ -322,21 +322,6 @@ class ModelParallelStrategy(Strategy):
             self._materialise(model)
         return wrapped
 
-    def _same_initial_values(self, model: nn.Module) -> None:
-        """Under ``diff_rank_seed``, give every rank rank 0's parameters and buffers.
-
-        The ranks built the model under different seeds; the shards of one model must come
-        from one set of values, as DDP's broadcast at construction makes them (the model is
-        then what one process seeded with the strategy's seed builds).
-        """
-        if not (self.diff_rank_seed and self.world_size > 1):
-            return
-        import torch.distributed as torch_dist
-
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                torch_dist.broadcast(tensor.data, src=0)
-
     def _check_fsdp_meshes(self, model: nn.Module) -> None:
         """Raise when ``fully_shard`` ran (in ``parallelize_fn``) over another mesh than the strategy's.
 
