@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import comm_collectives as dist
-from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
+from comm_strategies.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from comm_wrappers import MMFullyShardedDataParallel2, OptimWrapper
 from tests.helpers import full_params, max_diff
 from tests.strategies.ckpt_models import strategy_of
@@ -189,3 +189,29 @@ def test_a_damaged_dcp_checkpoint_raises_checkpoint_error_on_every_rank(
         assert kind == "CheckpointError", (rank, kind, message[:500])
         assert f"{tmp_path}/damaged" in message, message
         assert f"on rank {rank}" in message, message
+
+
+def load_into_more_parameters(root: str) -> tuple[str, str]:
+    """The saved optimizer trained all but ``lin1.bias`` (and holds ``unused`` without
+    state); the target's trains ``lin1.bias`` too: a strict load refuses it."""
+    torch.manual_seed(0)
+    model = Tied(True)
+    held = [p for n, p in model.named_parameters() if n != "lin1.bias"]
+    optim = OptimWrapper(torch.optim.AdamW(held, lr=0.01, weight_decay=0.0))
+    train("single", model, optim, range(BEFORE))
+    save_checkpoint(f"{root}/partial", model=model, optim_wrapper=optim, strategy="single")
+    target, target_optim = build("single", 123, True)
+    try:
+        load_checkpoint(f"{root}/partial", model=target, optim_wrapper=target_optim)
+    except CheckpointError as error:
+        return type(error).__name__, str(error)
+    return "", ""
+
+
+def test_a_parameter_the_saved_optimizer_did_not_hold_is_still_refused(
+    comm_pools: Any, tmp_path: Any
+) -> None:
+    for kind, message in comm_pools.get(1).run(load_into_more_parameters, str(tmp_path)):
+        assert kind == "CheckpointError", message
+        assert "lin1.bias" in message, message
+        assert "strict=False" in message, message

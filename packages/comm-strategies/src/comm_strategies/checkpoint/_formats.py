@@ -144,7 +144,11 @@ def _load_full(
     states = optim_states() if callable(optim_states) else optim_states
     for key, optimizer in request.optimizers.items():
         state = fit_optimizer_state(states[key], params, skipped, f"{source} ({key})")
-        backend.load_optim_state(optimizer, state, full=True, strict=request.strict)
+        try:
+            backend.load_optim_state(optimizer, state, full=True, strict=request.strict)
+        except ValueError as caught:  # the backend's refusal: about this checkpoint
+            message = f"{source} ({key}) does not fit this optimizer: {caught}"
+            raise CheckpointError(message) from caught
 
 
 def _check_portable(

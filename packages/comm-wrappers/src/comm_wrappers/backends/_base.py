@@ -274,10 +274,38 @@ class Backend:
         full = full and self._shards and has_tensor_state(state)
         # A parameter the saved groups list without a state had no gradient yet when it
         # was saved: it gets no state here either (torch's strict load would refuse it).
-        strict = strict and not _stateless_names(state)
+        # Only torch's check is relaxed: a parameter the saved groups do not list at all
+        # is still refused.
+        if strict and _stateless_names(state):
+            self._refuse_unlisted(optimizer, state)
+            strict = False
         options = dsd.StateDictOptions(full_state_dict=full, strict=strict)
         with quiet_torch():
             dsd.set_optimizer_state_dict(self._target(), optimizer, dict(state), options=options)
+
+    def _refuse_unlisted(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        """Raise when a trainable parameter of ``optimizer`` is in neither the state nor
+        its groups (by torch's names for it: the user module's, whatever the wrapper)."""
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        listed = set(state.get("state", {})) | {
+            name for group in state.get("param_groups", []) for name in group.get("params", [])
+        }
+        trained = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        target = self._target()
+        missing = [
+            sorted(fqns)[0]
+            for name, param in target.named_parameters()
+            if id(param) in trained and not (fqns := _get_fqns(target, name)) & listed
+        ]
+        if missing:
+            message = (
+                f"the optimizer state has no entry for {', '.join(missing[:8])} (rank "
+                f"{get_rank()}): parameters this optimizer trains that the saved optimizer "
+                "did not hold; is it another optimizer's state? Pass strict=False to load "
+                "the entries that fit and keep these parameters' own state"
+            )
+            raise ValueError(message)
 
     def optimizer_not_portable(self) -> str | None:
         """None, or why the optimizer state has no per-parameter full form (DeepSpeed)."""
