@@ -262,9 +262,13 @@ class Backend:
         """Load one optimizer's state keyed by parameter names (full or sharded).
 
         ``strict=False``: parameters without an entry in ``state`` keep their own state.
+        A parameter that ``state``'s groups list without an entry (it had no gradient yet
+        when it was saved) gets no state, as in the run that saved.
 
         Raises:
-            ValueError: The state has no per-parameter form (see `optimizer_not_portable`).
+            ValueError: The state has no per-parameter form (see `optimizer_not_portable`),
+                or (``strict``) a trainable parameter is in neither its entries nor its
+                groups.
         """
         reason = self.optimizer_not_portable()
         if reason is not None:
