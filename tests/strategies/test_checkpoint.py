@@ -416,6 +416,56 @@ def test_a_call_timeout_bounds_the_outcome_wait_too(tmp_path: Path) -> None:
     assert not (tmp_path / "slow").exists()
 
 
+def late_rank_before_the_data_moves(root: str) -> dict[str, Any]:
+    """Rank 1 is 6 s late between entering and the part that moves data (FSDP2: torch's
+    collectives, which wait only for the process group's timeout); with timeout=2 rank 0
+    must give up about 2 s after it started, rank 1 must say the others gave up, and the
+    world must still work (the next save and load, with no one late)."""
+    from comm_strategies.checkpoint import _load, _save
+
+    out: dict[str, Any] = {}
+    model, optim = build("fsdp2")
+    train_steps(model, optim, range(1))
+    late = dist.get_rank() == 1
+    if late:
+        _save._stage_hook = lambda stage: time.sleep(6.0) if stage == "entered" else None
+    start = time.monotonic()
+    out["save"] = caught(
+        save_checkpoint, f"{root}/late", model=model, optim_wrapper=optim, strategy="fsdp2",
+        timeout=2.0,
+    )  # fmt: skip
+    out["save_took"] = time.monotonic() - start
+    _save._stage_hook = None
+    good = save_checkpoint(f"{root}/good", model=model, optim_wrapper=optim, strategy="fsdp2")
+    read_manifest = _load.read_manifest
+    if late:
+        _load.read_manifest = lambda source: (time.sleep(6.0), read_manifest(source))[1]
+    start = time.monotonic()
+    out["load"] = caught(load_checkpoint, good, model=model, optim_wrapper=optim, timeout=2.0)
+    out["load_took"] = time.monotonic() - start
+    _load.read_manifest = read_manifest
+    load_checkpoint(good, model=model, optim_wrapper=optim)
+    out["after"] = {k: v.tolist() for k, v in full_params(model).items()}
+    return out
+
+
+def test_a_call_timeout_bounds_the_wait_before_the_data_moves(tmp_path: Path) -> None:
+    from comm_core.testing import launch
+
+    first, late = launch(late_rank_before_the_data_moves, str(tmp_path), nprocs=2, timeout=120)
+    for step, verb in (("writing", "save"), ("reading", "load")):
+        name, message = first[verb]
+        assert name == "CheckpointError", message
+        assert f"rank(s) [1] did not reach step '{step}'" in message, message
+        assert first[f"{verb}_took"] < 4.5, (verb, first[f"{verb}_took"])
+        name, message = late[verb]
+        assert name == "CheckpointError", message
+        assert f"this rank reached step '{step}'" in message, message
+        assert "the other ranks gave the call up" in message, message
+    assert not (tmp_path / "late").exists()
+    assert first["after"] == late["after"]  # the world went on working: the same model
+
+
 def errors_on_every_rank(root: str) -> dict[str, str]:
     """Another model's manifest, a truncated file, different paths: errors on every rank."""
     out = {}

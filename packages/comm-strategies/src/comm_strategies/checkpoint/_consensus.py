@@ -4,7 +4,10 @@ The checkpoint functions are collective. A rank that calls one alone must get an
 instead of waiting forever, so every call starts with `Call.enter`: a bounded exchange of
 small strings through the process group's store (comm_collectives' `rendezvous`: no
 tensor, no device sync), which also hands every rank the values it needs (the folder
-name, each rank's path). After the work that may fail on one rank, `Call.vote` shares
+name, each rank's path). Before a part that moves data between the ranks, `Call.together`
+makes every rank wait for the others within what is left of the call's timeout (torch's
+collectives inside would wait for the process group's own). After the work that may
+fail on one rank, `Call.vote` shares
 each rank's outcome (comm_collectives' `agree`, bounded by a timeout) and raises on every
 rank when any rank failed. Both turn the layer's errors into `CheckpointError`.
 """
@@ -103,6 +106,46 @@ class Call:
                 f"within {self.timeout:g} s. Every rank must call {self.operation} (it is "
                 "collective): call it on all ranks, not under `if rank == 0`. If the other "
                 f"ranks are only slow, raise the timeout ({_TIMEOUT_VARIABLE} or timeout=)."
+            )
+            raise CheckpointError(message) from error
+
+    def together(self, step: str) -> None:
+        """Wait until every rank reached ``step``, before a part that moves data between
+        the ranks (torch's collectives wait only for the process group's own timeout).
+
+        Bounded by what is left of the call's timeout when the caller passed one, else by
+        the entry timeout. A store exchange, like the entry: nothing is left pending in the
+        process group, so the world stays usable after a timeout.
+
+        Raises:
+            CheckpointError: A rank did not reach ``step`` in time (named); or this rank
+                reached it after the call's timeout had passed, when the others had given
+                the call up.
+        """
+        if dist.get_world_size() == 1:
+            return
+        bound = self.timeout
+        if self.deadline is not None:
+            bound = self.deadline - time.monotonic()
+            if bound <= 0:
+                message = (
+                    f"{self.operation} on {where()}: this rank reached step {step!r} "
+                    f"{-bound:.1f} s after the call's timeout ({self.timeout:g} s) had "
+                    "passed; the other ranks gave the call up then. Raise timeout= if "
+                    "this rank is only slow."
+                )
+                raise CheckpointError(message)
+        key = f"comm_checkpoint/{self.number}/{step}"
+        try:
+            dist.rendezvous(key, "", timeout=bound, withdraw_on_timeout=True)
+        except dist.CommTimeoutError as error:
+            missing = list(getattr(error, "missing", []))
+            message = (
+                f"{self.operation} on {where()}: rank(s) {missing} did not reach step "
+                f"{step!r} within {bound:.1f} s (the call's timeout is {self.timeout:g} s); "
+                "the call is given up on this rank. A rank died or is stuck: check its log; "
+                "if it is only slow, raise the timeout (timeout= or "
+                f"{_TIMEOUT_VARIABLE})."
             )
             raise CheckpointError(message) from error
 

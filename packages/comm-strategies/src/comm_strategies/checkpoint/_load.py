@@ -63,7 +63,9 @@ def load_checkpoint(
         load_rng: Restore this rank's random generators (when the checkpoint has them).
         allow_unsafe_pickle: Allow files that need full unpickling (DeepSpeed's own files,
             old pickles); only for files you trust.
-        timeout: Seconds to wait for the other ranks to enter.
+        timeout: Seconds this rank waits for the others to enter and to reach the read;
+            default ``COMM_CHECKPOINT_TIMEOUT`` or 300. A read already under way is bounded
+            by the process group's own timeout.
 
     Returns:
         The ``extra`` user state saved with the checkpoint (``{}`` if none).
@@ -86,19 +88,23 @@ def load_checkpoint(
         raise CheckpointError(message)
     optimizers = named_optimizers(optim_wrapper) if load_optimizer else {}
     request = LoadRequest(strict, optimizers, allow_unsafe_pickle)
+    # Before each part that moves data between the ranks: every rank is there first.
     if source.is_file():
+        call.together("reading")
         _load_plain_file(source, backend, request)
         return {}
     if not source.exists():
         message = f"checkpoint {source} does not exist"
         raise CheckpointError(message)
     if not (source / MANIFEST_NAME).is_file() and ds_files.is_deepspeed_folder(source):
+        call.together("reading")
         _load_deepspeed_folder(source, backend, request, load_optimizer)
         return {}
     manifest = read_manifest(source)
     request = LoadRequest(
         strict, _saved_optimizers(source, manifest, optimizers), allow_unsafe_pickle
     )
+    call.together("reading")
     FORMATS[manifest.format].read(source, manifest, backend, request)
     if request.optimizers and manifest.has_scaler:
         _load_scalers(source, optim_wrapper, allow_unsafe_pickle)

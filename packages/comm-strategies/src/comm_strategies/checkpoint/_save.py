@@ -41,7 +41,7 @@ from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from ._params import describe_params
 from ._state import named_optimizers, refuse_unportable
 
-# A test hook: called with the stage name ("written", "manifest"; with async_save also
+# A test hook: called with the stage name ("entered", "written", "manifest"; with async_save also
 # "writing", in the background thread as are "written" and "manifest") on every rank, so
 # a test can kill the process in the middle of a save. Not part of the public API.
 _stage_hook: Callable[[str], None] | None = None
@@ -141,8 +141,10 @@ def save_checkpoint(
         sharded: None for the model's natural format (sharded DCP under FSDP, DeepSpeed's
             files under DeepSpeed, full files otherwise); True for DCP, False for full
             files (under DeepSpeed: the weights only, gathered).
-        timeout: Seconds to wait for the other ranks to enter; default
-            ``COMM_CHECKPOINT_TIMEOUT`` or 300.
+        timeout: Seconds the whole call may take on this rank (entering, every rank
+            reaching the write, the outcome shared); default: ``COMM_CHECKPOINT_TIMEOUT``
+            or 300 for entering and reaching the write, an hour for the outcome. A write
+            already under way is bounded by the process group's own timeout.
         async_save: Copy the state to the CPU, return a `SaveHandle` at once, and write
             and publish in a background thread while training goes on (formats ``full``
             and ``dcp``; DeepSpeed's own files are written before the call returns, and
@@ -196,6 +198,13 @@ def save_checkpoint(
         extra_keys=_keys_of(extra),
         described=described,
     )
+    _hook("entered")
+    try:  # what comes next moves data between the ranks: every rank is there first
+        call.together("writing")
+    except CheckpointError:
+        if dist.get_rank() == 0:
+            _publish.abandon(temporary)
+        raise
     if async_save and fmt in _async.ASYNC_FORMATS:
         return _start_async(
             call, final, temporary, attempts, backend, optimizers, record, keep_last,
