@@ -30,7 +30,13 @@ from ._errors import CheckpointError
 from ._files import load_tensor_file, save_tensor_file
 from ._layout import DCP_FOLDER, DS_FOLDER, DS_TAG, MODEL_FILE, OPTIM_FILE
 from ._manifest import Manifest
-from ._params import check_against, describe_params, fit_names, fit_optimizer_state
+from ._params import (
+    check_against,
+    describe_params,
+    fit_names,
+    fit_optimizer_groups,
+    fit_optimizer_state,
+)
 
 Optimizers = Mapping[str, torch.optim.Optimizer]
 
@@ -143,7 +149,15 @@ def _load_full(
         return
     states = optim_states() if callable(optim_states) else optim_states
     for key, optimizer in request.optimizers.items():
-        state = fit_optimizer_state(states[key], params, skipped, f"{source} ({key})")
+        state = fit_optimizer_state(
+            states[key],
+            params,
+            skipped,
+            f"{source} ({key})",
+            groups=backend.optimizer_groups(optimizer),
+            own_groups=optimizer.param_groups,
+            strict=request.strict,
+        )
         try:
             backend.load_optim_state(optimizer, state, full=True, strict=request.strict)
         except ValueError as caught:  # the backend's refusal: about this checkpoint
@@ -258,6 +272,8 @@ class DcpFormat:
         if skipped:
             state["model"] = {k: v for k, v in state["model"].items() if k not in skipped}
         folder = source / DCP_FOLDER
+        if request.optimizers:
+            _check_group_count(request.optimizers, _dcp_keys(folder), str(source))
         try:
             if request.optimizers:
                 _drop_unsaved_optim_state(state["optim"], _dcp_keys(folder))
@@ -271,7 +287,30 @@ class DcpFormat:
             raise CheckpointError(message) from caught
         backend.load_model_state(state["model"], full=False, strict=request.strict)
         for key, optimizer in request.optimizers.items():
-            backend.load_optim_state(optimizer, state["optim"][key], full=False)
+            groups = backend.optimizer_groups(optimizer)
+            optim_state = state["optim"][key]
+            if groups is not None:  # the saved groups' names, read back: each in its group
+                optim_state = fit_optimizer_groups(
+                    optim_state, groups, optimizer.param_groups, f"{source} ({key})", request.strict
+                )
+            backend.load_optim_state(optimizer, optim_state, full=False)
+
+
+def _check_group_count(optimizers: Optimizers, saved: set[str], source: str) -> None:
+    """Raise when a DCP checkpoint holds another number of param groups than an optimizer
+    (DCP would fail on the group it lacks, or ignore the one it holds in excess)."""
+    for key, optimizer in optimizers.items():
+        prefix = f"optim.{key}.param_groups."
+        count = len({k[len(prefix) :].split(".", 1)[0] for k in saved if k.startswith(prefix)})
+        if count and count != len(optimizer.param_groups):
+            message = (
+                f"{source} ({key}) does not fit this optimizer on rank {dist.get_rank()}: the "
+                f"saved optimizer has {count} parameter group(s), this optimizer "
+                f"{len(optimizer.param_groups)}. Build the optimizer with the same param "
+                "groups as the run that saved, or pass load_optimizer=False to load the "
+                "weights only."
+            )
+            raise CheckpointError(message)
 
 
 def _dcp_keys(folder: Path) -> set[str]:

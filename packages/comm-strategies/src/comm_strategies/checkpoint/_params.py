@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from comm_collectives import get_rank
 
 from .._names import strip_prefixes
 from ._errors import CheckpointError
@@ -76,15 +78,26 @@ def check_against(
 
 
 def fit_optimizer_state(
-    state: Mapping[str, Any], params: Mapping[str, Any], skipped: list[str], source: str
+    state: Mapping[str, Any],
+    params: Mapping[str, Any],
+    skipped: list[str],
+    source: str,
+    *,
+    groups: list[list[str]] | None = None,
+    own_groups: Sequence[Mapping[str, Any]] | None = None,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """An optimizer's full state (keyed by names) checked against the model's parameters.
 
-    The entries of ``skipped`` parameters (a ``strict=False`` load) are left out.
+    The entries of ``skipped`` parameters (a ``strict=False`` load) are left out. With
+    ``groups`` (the target optimizer's param groups by parameter names, see
+    `Backend.optimizer_groups`), the saved groups are checked against them: see
+    `fit_optimizer_groups`.
 
     Raises:
-        CheckpointError: The state is not keyed by parameter names, or names a parameter
-            the model does not have (and that was not skipped).
+        CheckpointError: The state is not keyed by parameter names, names a parameter
+            the model does not have (and that was not skipped), or (``strict``) its param
+            groups differ from the optimizer's.
     """
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), list):
         message = (
@@ -104,15 +117,106 @@ def fit_optimizer_state(
             "parameters); pass load_optimizer=False to load the weights only"
         )
         raise CheckpointError(message)
-    if not leave & named:
+    fitted = dict(state)
+    if leave & named:
+        fitted = {
+            **state,
+            "state": {k: v for k, v in state.get("state", {}).items() if k not in leave},
+            "param_groups": [
+                {**group, "params": [n for n in group["params"] if n not in leave]}
+                for group in state["param_groups"]
+            ],
+        }
+    if groups is None:
+        return fitted
+    return fit_optimizer_groups(fitted, groups, own_groups or [], source, strict)
+
+
+def fit_optimizer_groups(
+    state: Mapping[str, Any],
+    groups: list[list[str]],
+    own_groups: Sequence[Mapping[str, Any]],
+    source: str,
+    strict: bool,
+) -> dict[str, Any]:
+    """A full optimizer state whose param groups fit the target optimizer's ``groups``.
+
+    A parameter saved in group ``i`` must be in group ``i`` of the target (torch's own
+    ``Optimizer.load_state_dict`` refuses another number of groups; loading by names
+    would mix the groups' hyperparameters up and leave a group without them). Names the
+    target optimizer does not hold are left to the caller's checks.
+
+    ``strict=False``: a parameter saved in another group than the target's is left out
+    (state and group), with a warning naming it; a target group that keeps none of its
+    saved group's parameters keeps its own hyperparameters (``own_groups``, the target
+    optimizer's ``param_groups``), so no group is ever left without them.
+
+    Raises:
+        CheckpointError: ``strict`` and the number of groups differs, or a parameter is
+            in another group (the message names the first).
+    """
+    saved = list(state["param_groups"])
+    target_of = {name: index for index, names in enumerate(groups) for name in names}
+    misplaced = [
+        (str(name), index, target_of[name])
+        for index, group in enumerate(saved)
+        for name in group.get("params", [])
+        if name in target_of and target_of[name] != index
+    ]
+    if len(saved) == len(groups) and not misplaced:
         return dict(state)
+    problems = []
+    if len(saved) != len(groups):
+        problems.append(
+            f"the saved optimizer has {len(saved)} parameter group(s), this optimizer {len(groups)}"
+        )
+    if misplaced:
+        name, was, now = misplaced[0]
+        more = f" (and {len(misplaced) - 1} more)" if len(misplaced) > 1 else ""
+        problems.append(
+            f"parameter {name} is in group {was} of the saved optimizer, in group {now} of "
+            f"this one{more}"
+        )
+    if strict:
+        message = (
+            f"{source} does not fit this optimizer on rank {get_rank()}: "
+            f"{'; '.join(problems)}. Build the optimizer with the same param groups as the "
+            "run that saved (the same parameters in each, in the same order), or pass "
+            "load_optimizer=False to load the weights only (strict=False loads the "
+            "parameters that stay in their group)."
+        )
+        raise CheckpointError(message)
+    drop = {name for name, _, _ in misplaced}
+    fitted_groups: list[dict[str, Any]] = []
+    kept_own: list[int] = []
+    for index, names in enumerate(groups):
+        kept = (
+            [n for n in saved[index].get("params", []) if n not in drop]
+            if index < len(saved)
+            else []
+        )
+        if kept or (index < len(saved) and not names):
+            fitted_groups.append({**saved[index], "params": kept})
+        else:  # nothing of this group was saved in it: it keeps its own hyperparameters
+            own = own_groups[index] if index < len(own_groups) else {}
+            fitted_groups.append(
+                {**{k: v for k, v in own.items() if k != "params"}, "params": list(names)}
+            )
+            kept_own.append(index)
+    skipped = sorted(drop)
+    kept_note = (
+        f"; group(s) {kept_own} keep this optimizer's own hyperparameters" if kept_own else ""
+    )
+    warnings.warn(
+        f"strict=False: {source} loaded without the optimizer state of "
+        f"{_some(skipped) if skipped else 'no parameter'} ({'; '.join(problems)}){kept_note}",
+        stacklevel=4,
+    )
+    entries = state.get("state", {})
     return {
         **state,
-        "state": {k: v for k, v in state.get("state", {}).items() if k not in leave},
-        "param_groups": [
-            {**group, "params": [n for n in group["params"] if n not in leave]}
-            for group in state["param_groups"]
-        ],
+        "state": {k: v for k, v in entries.items() if k not in drop},
+        "param_groups": fitted_groups,
     }
 
 

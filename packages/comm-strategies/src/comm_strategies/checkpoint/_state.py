@@ -143,5 +143,11 @@ def load_full_optim_state_dict(
         raise CheckpointError(message)
     params = backend.param_shapes()
     for key, optimizer in optimizers.items():
-        state = fit_optimizer_state(states[key], params, [], f"the optimizer state ({key})")
+        state = fit_optimizer_state(
+            states[key],
+            params,
+            [],
+            f"the optimizer state ({key})",
+            groups=backend.optimizer_groups(optimizer),
+        )
         backend.load_optim_state(optimizer, state, full=True)

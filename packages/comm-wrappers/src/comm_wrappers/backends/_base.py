@@ -287,6 +287,27 @@ class Backend:
         with quiet_torch():
             dsd.set_optimizer_state_dict(self._target(), optimizer, dict(state), options=options)
 
+    def optimizer_groups(self, optimizer: Optimizer) -> list[list[str]] | None:
+        """Each of ``optimizer``'s param groups as the names of its parameters.
+
+        By the user module's names, as an optimizer state keyed by names lists them (every
+        name of a tied parameter; every original name of an FSDP1 flat parameter). None
+        when a parameter of a group is not one of the model's (an optimizer over flat
+        partitions): its groups cannot be told by name.
+        """
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        target = self._target()
+        names: dict[int, set[str]] = {}
+        for name, param in target.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), set()).update(_get_fqns(target, name))
+        groups = []
+        for group in optimizer.param_groups:
+            if any(id(param) not in names for param in group["params"]):
+                return None
+            groups.append(sorted({n for param in group["params"] for n in names[id(param)]}))
+        return groups
+
     def _refuse_unlisted(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
         """Raise when a trainable parameter of ``optimizer`` is in neither the state nor
         its groups (by torch's names for it: the user module's, whatever the wrapper)."""

@@ -1,0 +1,156 @@
+"""Checkpoint loose ends from an outside review: optimizers whose param groups differ from
+the saved ones, what a save in place keeps that comm did not write, and what a file that
+is not a checkpoint is said to be. One process, tiny models."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from comm_strategies import checkpoint as ck
+from comm_strategies.checkpoint import CheckpointError
+
+
+def two_layers() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+
+
+def one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    optimizer.zero_grad()
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    optimizer.step()
+
+
+def grouped(model: torch.nn.Sequential, order: tuple[int, int], lrs: tuple[float, float]) -> Any:
+    """AdamW with one group per layer, in ``order``, with learning rates ``lrs``."""
+    return torch.optim.AdamW(
+        [
+            {"params": list(model[order[0]].parameters()), "lr": lrs[0]},
+            {"params": list(model[order[1]].parameters()), "lr": lrs[1]},
+        ],
+        lr=0.5,
+    )
+
+
+def hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+@pytest.fixture(params=[False, True], ids=["full", "dcp"])
+def sharded(request: Any) -> bool:
+    return bool(request.param)
+
+
+def saved_one_group(root: Path, sharded: bool) -> tuple[Path, torch.nn.Module, Any]:
+    model = two_layers()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    one_step(model, optimizer, 1)
+    path = root / "one_group"
+    ck.save_checkpoint(
+        path, model=model, strategy="single", optim_wrapper=optimizer, sharded=sharded
+    )
+    return path, model, optimizer
+
+
+# ---- 1. param groups
+
+
+def test_an_optimizer_with_more_param_groups_is_refused(tmp_path: Path, sharded: bool) -> None:
+    path, _, _ = saved_one_group(tmp_path, sharded)
+    model = two_layers()
+    optimizer = grouped(model, (0, 1), (0.5, 0.01))
+    before = hyper(optimizer)
+    with pytest.raises(CheckpointError) as caught:
+        ck.load_checkpoint(path, model=model, optim_wrapper=optimizer)
+    message = str(caught.value)
+    assert "1 parameter group(s), this optimizer 2" in message
+    assert "rank 0" in message
+    assert "same param groups" in message
+    assert "load_optimizer=False" in message
+    assert hyper(optimizer) == before  # untouched: every group keeps its hyperparameters
+    # the weights alone still load
+    ck.load_checkpoint(path, model=model, optim_wrapper=optimizer, load_optimizer=False)
+
+
+def test_strict_false_loads_the_group_that_fits_and_keeps_the_other_hyperparameters(
+    tmp_path: Path,
+) -> None:
+    path, saved_model, saved_optimizer = saved_one_group(tmp_path, False)
+    model = two_layers()
+    optimizer = grouped(model, (0, 1), (0.5, 0.01))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.load_checkpoint(path, model=model, optim_wrapper=optimizer, strict=False)
+    shown = " ".join(str(w.message) for w in caught)
+    assert "1.weight" in shown
+    assert "1.bias" in shown
+    assert "0.weight" not in shown
+    # group 0 holds the saved group's parameters: its hyperparameters and state are saved
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    saved_state = saved_optimizer.state[saved_model[0].weight]
+    state = optimizer.state[model[0].weight]
+    assert torch.equal(state["exp_avg"], saved_state["exp_avg"])
+    assert torch.equal(state["exp_avg_sq"], saved_state["exp_avg_sq"])
+    # group 1's parameters were saved in group 0: no state, its own hyperparameters
+    assert optimizer.param_groups[1]["lr"] == 0.01
+    assert optimizer.param_groups[1]["betas"] == (0.9, 0.999)
+    assert not optimizer.state.get(model[1].weight)
+    one_step(model, optimizer, 2)  # every group has what a step needs
+
+
+def test_parameters_in_another_group_are_refused(tmp_path: Path, sharded: bool) -> None:
+    model = two_layers()
+    optimizer = grouped(model, (0, 1), (0.1, 0.01))
+    one_step(model, optimizer, 1)
+    path = tmp_path / "two_groups"
+    ck.save_checkpoint(
+        path, model=model, strategy="single", optim_wrapper=optimizer, sharded=sharded
+    )
+    target = two_layers()
+    swapped = grouped(target, (1, 0), (0.3, 0.03))
+    with pytest.raises(CheckpointError) as caught:
+        ck.load_checkpoint(path, model=target, optim_wrapper=swapped)
+    message = str(caught.value)
+    assert "parameter 0.weight is in group 0 of the saved optimizer, in group 1 of this one" in (
+        message
+    )
+    assert "(and 3 more)" in message
+    assert "load_optimizer=False" in message
+    assert [g["lr"] for g in swapped.param_groups] == [0.3, 0.03]
+
+
+def test_the_same_groups_resume_exactly(tmp_path: Path, sharded: bool) -> None:
+    model = two_layers()
+    optimizer = grouped(model, (0, 1), (0.1, 0.01))
+    one_step(model, optimizer, 1)
+    path = tmp_path / "two_groups"
+    ck.save_checkpoint(
+        path, model=model, strategy="single", optim_wrapper=optimizer, sharded=sharded
+    )
+    target = two_layers()
+    resumed = grouped(target, (0, 1), (0.7, 0.07))
+    ck.load_checkpoint(path, model=target, optim_wrapper=resumed)
+    assert [g["lr"] for g in resumed.param_groups] == [0.1, 0.01]
+    one_step(model, optimizer, 2)
+    one_step(target, resumed, 2)
+    for name, value in model.state_dict().items():
+        assert torch.equal(target.state_dict()[name], value), name
+
+
+def test_load_full_optim_state_dict_refuses_other_groups() -> None:
+    model = two_layers()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    one_step(model, optimizer, 1)
+    state = ck.full_optim_state_dict(model, optimizer)
+    target = two_layers()
+    other = grouped(target, (0, 1), (0.5, 0.01))
+    with pytest.raises(CheckpointError, match=r"1 parameter group\(s\), this optimizer 2"):
+        ck.load_full_optim_state_dict(target, other, state)
+    assert [g["lr"] for g in other.param_groups] == [0.5, 0.01]
