@@ -4,6 +4,7 @@ is not a checkpoint is said to be. One process, tiny models."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -154,3 +155,52 @@ def test_load_full_optim_state_dict_refuses_other_groups() -> None:
     with pytest.raises(CheckpointError, match=r"1 parameter group\(s\), this optimizer 2"):
         ck.load_full_optim_state_dict(target, other, state)
     assert [g["lr"] for g in other.param_groups] == [0.5, 0.01]
+
+
+# ---- 7. a save in place keeps what comm did not write
+
+
+def _link_to_user_folder(folder: Path, root: Path) -> tuple[str, Path]:
+    data = root / "user_data"
+    data.mkdir()
+    (data / "big.bin").write_bytes(b"x" * 10)
+    os.symlink(data, folder / "data_link")
+    return "data_link@", data / "big.bin"
+
+
+@pytest.mark.parametrize("kind", ["empty folder", "dangling link", "link to a folder"])
+def test_a_save_in_place_refuses_what_comm_did_not_write(tmp_path: Path, kind: str) -> None:
+    model = two_layers()
+    path = tmp_path / "ckpt"
+    ck.save_checkpoint(path, model=model, strategy="single")
+    target = None
+    if kind == "empty folder":
+        (path / "eval_out").mkdir()
+        shown, entry = "eval_out/", path / "eval_out"
+    elif kind == "dangling link":
+        os.symlink(tmp_path / "does-not-exist", path / "dangling")
+        shown, entry = "dangling@", path / "dangling"
+    else:
+        shown, target = _link_to_user_folder(path, tmp_path)
+        entry = path / "data_link"
+    with pytest.raises(CheckpointError) as caught:
+        ck.save_checkpoint(path, model=model, strategy="single")
+    message = str(caught.value)
+    assert shown in message
+    assert "comm did not write" in message
+    assert "move them out, or save to another path" in message
+    assert entry.is_symlink() or entry.is_dir()
+    if target is not None:
+        assert target.read_bytes() == b"x" * 10
+    # once it is moved out, the save goes through
+    entry.unlink() if entry.is_symlink() else entry.rmdir()
+    ck.save_checkpoint(path, model=model, strategy="single")
+
+
+def test_keep_last_leaves_a_checkpoint_holding_an_empty_user_folder(tmp_path: Path) -> None:
+    model = two_layers()
+    ck.save_checkpoint(tmp_path / "a", model=model, strategy="single")
+    (tmp_path / "a" / "eval_out").mkdir()
+    with pytest.warns(RuntimeWarning, match="eval_out/"):
+        ck.save_checkpoint(tmp_path / "b", model=model, strategy="single", keep_last=1)
+    assert (tmp_path / "a" / "eval_out").is_dir()

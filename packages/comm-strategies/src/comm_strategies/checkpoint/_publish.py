@@ -77,9 +77,9 @@ def _replaceable(final: Path) -> str:
             f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         )
         return (
-            f"found the checkpoint {final} holding files comm did not write ({shown}); a "
-            "save replaces the whole folder and would delete them: move them out, or save "
-            "to another path"
+            f"found the checkpoint {final} holding files comm did not write ({shown}"
+            f"{_legend(foreign)}); a save replaces the whole folder and would delete them: "
+            "move them out, or save to another path"
         )
     return (
         f"found a folder at {final} that is not a checkpoint (no {MANIFEST_NAME} written by "
@@ -99,10 +99,38 @@ def _is_checkpoint(folder: Path) -> bool:
 
 
 def not_ours(folder: Path) -> list[str]:
-    """The files in a checkpoint folder that its manifest does not list (a user's notes,
-    an evaluation's output): what replacing or removing the folder would destroy."""
+    """What a checkpoint folder holds that its manifest does not list (a user's notes, an
+    evaluation's output): what replacing or removing the folder would destroy.
+
+    Files, and also what is not a file: a symbolic link of any kind (to a file, to a
+    folder, dangling; never followed) and an empty folder that holds none of the listed
+    files, each by its path inside ``folder`` (``"name/"`` for a folder, ``"name@"`` for
+    a link).
+    """
     listed = set(read_manifest(folder).files) | {MANIFEST_NAME}
-    return [name for name in list_files(folder) if name not in listed]
+    parents = {str(Path(name).parent) for name in listed}
+    parents |= {str(p) for name in listed for p in Path(name).parents}
+    foreign = []
+    for root, folders, files in os.walk(folder):  # links are listed, not followed
+        here = Path(root)
+        for name in sorted(folders + files):
+            path = here / name
+            relative = str(path.relative_to(folder))
+            if path.is_symlink():
+                foreign.append(relative + "@")
+            elif path.is_dir():
+                if relative not in parents and not any(path.iterdir()):
+                    foreign.append(relative + "/")
+            elif relative not in listed:
+                foreign.append(relative)
+    return sorted(foreign)
+
+
+def _legend(names: list[str]) -> str:
+    """How `not_ours` marks folders and links, when ``names`` holds one."""
+    if any(name.endswith(("/", "@")) for name in names):
+        return "; NAME/ is a folder, NAME@ a symbolic link"
+    return ""
 
 
 def finish(temporary: Path, final: Path) -> None:
@@ -168,7 +196,8 @@ def retain(final: Path, keep_last: int) -> list[Path]:
         if foreign:  # a file comm did not write: the folder stays, with a warning
             warnings.warn(
                 f"keep_last left {path} in place: it holds files comm did not write "
-                f"({', '.join(foreign[:5])}); move them out and it goes at the next save",
+                f"({', '.join(foreign[:5])}{_legend(foreign)}); move them out and it goes "
+                "at the next save",
                 RuntimeWarning,
                 stacklevel=2,
             )
