@@ -5,7 +5,9 @@ is not a checkpoint is said to be. One process, tiny models."""
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +206,70 @@ def test_keep_last_leaves_a_checkpoint_holding_an_empty_user_folder(tmp_path: Pa
     with pytest.warns(RuntimeWarning, match="eval_out/"):
         ck.save_checkpoint(tmp_path / "b", model=model, strategy="single", keep_last=1)
     assert (tmp_path / "a" / "eval_out").is_dir()
+
+
+# ---- 8. what a file that is not a checkpoint is
+
+
+def _refusal(path: Path, **kwargs: Any) -> str:
+    with pytest.raises(CheckpointError) as caught:
+        ck.load_checkpoint(path, model=torch.nn.Linear(2, 2), **kwargs)
+    return str(caught.value)
+
+
+def test_a_zip_archive_from_elsewhere(tmp_path: Path) -> None:
+    path = tmp_path / "docs.zip"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("readme.txt", "hi")
+    message = _refusal(path)
+    assert "a zip archive that is not a torch checkpoint (it holds readme.txt" in message
+    assert "Expected a file written by torch.save" in message
+    assert "corrupt" not in message
+    assert "inline_container" not in message
+
+
+def test_a_plain_python_pickle(tmp_path: Path) -> None:
+    path = tmp_path / "plain.pkl"
+    path.write_bytes(pickle.dumps({"weight": [1.0, 2.0]}, protocol=4))
+    for unsafe in (False, True):
+        message = _refusal(path, allow_unsafe_pickle=unsafe)
+        assert "a Python pickle that torch.save did not write" in message
+        assert "corrupt" not in message
+
+
+def test_torch_legacy_pickles(tmp_path: Path) -> None:
+    source = torch.nn.Linear(2, 2)
+    default = tmp_path / "legacy.pth"
+    torch.save(source.state_dict(), default, _use_new_zipfile_serialization=False)
+    model = torch.nn.Linear(2, 2)
+    ck.load_checkpoint(default, model=model)  # protocol 2: weights_only reads it
+    assert torch.equal(model.weight, source.weight)
+    framed = tmp_path / "legacy4.pth"
+    torch.save(source.state_dict(), framed, _use_new_zipfile_serialization=False, pickle_protocol=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        message = _refusal(framed)
+        assert "legacy format" in message
+        assert "pickle protocol 4" in message
+        assert "allow_unsafe_pickle=True" in message
+        assert "corrupt" not in message
+        model = torch.nn.Linear(2, 2)
+        ck.load_checkpoint(framed, model=model, allow_unsafe_pickle=True)
+    assert torch.equal(model.weight, source.weight)
+
+
+def test_a_utf8_text_whose_probe_ends_inside_a_character(tmp_path: Path) -> None:
+    path = tmp_path / "config.py"
+    line = "# 模型配置文件, 训练参数与数据集设置\n"
+    path.write_text(line * 20 + "model = dict(type='Classifier')\n", encoding="utf-8")
+    assert (line * 20).encode()[256] & 0xC0 == 0x80  # byte 256 is inside a character
+    message = _refusal(path)
+    assert "a text file (it starts with '# 模型配置文件" in message
+
+
+def test_binary_data_that_decodes_as_utf8_is_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x08\x00\x00\x00\x01\x02\x03\x04" + bytes(range(32)) * 4)
+    message = _refusal(path)
+    assert "binary data of another format (it starts with b'\\x08\\x00" in message
+    assert "text file" not in message

@@ -90,7 +90,7 @@ def load_tensor_file(
         message = f"{what} {path} does not exist"
         raise CheckpointError(message)
     is_zip = zipfile.is_zipfile(path)
-    foreign = None if is_zip else _not_a_torch_file(path)
+    foreign = _not_a_torch_zip(path) if is_zip else _not_a_torch_file(path)
     if foreign is not None:
         message = (
             f"{what} {path} is not a checkpoint: it is {foreign}. Expected a file written "
@@ -109,6 +109,16 @@ def load_tensor_file(
     except pickle.UnpicklingError as error:
         text = str(error)
         detail = _weights_only_detail(text)
+        protocol = _legacy_protocol(path)
+        if not allow_unsafe_pickle and protocol is not None and protocol > 2:
+            message = (
+                f"{what} {path} is torch.save's legacy format (torch before 1.6, or "
+                f"_use_new_zipfile_serialization=False) written with pickle protocol "
+                f"{protocol}, which torch.load(weights_only=True) cannot read (it reads "
+                f"protocol 2, torch's default). {UNSAFE_HINT}, or save it again with "
+                "torch.save's default format."
+            )
+            raise CheckpointError(message) from error
         if allow_unsafe_pickle or not _refused_by_weights_only(text):
             last = [line.strip() for line in text.splitlines() if line.strip()]
             message = (
@@ -162,20 +172,85 @@ def _weights_only_detail(text: str) -> str:
     return lines[0] if lines else "no detail"
 
 
-def _not_a_torch_file(path: Path) -> str | None:
-    """What a file that is neither a zip archive nor a pickle is (None: it may be torch's)."""
+# torch.save's legacy format (torch before 1.6) is a pickle that starts with this number,
+# pickled (protocol 2 by default: ``\x80\x02`` then these bytes; a later protocol frames it)
+_LEGACY_MAGIC = b"\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+_PROBE_BYTES = 256
+
+
+def _legacy_protocol(path: Path) -> int | None:
+    """The pickle protocol of a file in torch.save's legacy format, else None."""
     with path.open("rb") as handle:
-        head = handle.read(256)
+        head = handle.read(32)
+    return head[1] if head[:1] == b"\x80" and _LEGACY_MAGIC in head else None
+
+
+def _not_a_torch_zip(path: Path) -> str | None:
+    """What a zip archive is when torch.save did not write it (None: it may be torch's).
+
+    torch's archives hold one top folder with a ``data.pkl`` in it.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return None  # damaged: torch.load says how
+    if any(name.count("/") == 1 and name.endswith("/data.pkl") for name in names):
+        return None
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"a zip archive that is not a torch checkpoint (it holds {shown or 'nothing'}; "
+        "torch.save writes one folder with a data.pkl in it)"
+    )
+
+
+def _not_a_torch_file(path: Path) -> str | None:
+    """What a file that is not a zip archive is (None: it may be torch's legacy pickle)."""
+    with path.open("rb") as handle:
+        head = handle.read(_PROBE_BYTES)
     if not head:
         return "empty (0 bytes)"
-    if head[:1] == b"\x80" or head[:4] == b"PK\x03\x04":
-        return None  # a pickle (torch before 1.6), or a zip archive (torch's; maybe cut)
-    try:
-        text = head.decode("utf-8")
-    except UnicodeDecodeError:
+    if head[:4] == b"PK\x03\x04":
+        return None  # a zip archive cut short (torch's, maybe): torch.load says how
+    if head[:1] == b"\x80":  # a pickle: torch's legacy format starts with its number
+        if _LEGACY_MAGIC in head[:32]:
+            return None
+        return (
+            "a Python pickle that torch.save did not write (torch's pickles, from torch "
+            "before 1.6, start with torch's magic number; torch.load cannot read this one, "
+            "even with allow_unsafe_pickle=True). If it holds a state dict and you trust "
+            "it, unpickle it yourself and pass the dict to load_full_model_state_dict"
+        )
+    if head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:
+        return (
+            "a safetensors file, it seems (an 8-byte header length, then JSON); read it "
+            "with safetensors.torch.load_file and pass the dict to load_full_model_state_dict"
+        )
+    text = _as_text(head, complete=len(head) < _PROBE_BYTES)
+    if text is None:
         return f"binary data of another format (it starts with {head[:8]!r})"
     first = text.strip().splitlines()[0][:40] if text.strip() else ""
-    return f"a text file (it starts with {first!r})"
+    return f"a text file (it starts with {first!r})" if first else "a text file (blank)"
+
+
+# Control characters a text file may hold (tab, line feed, vertical tab, form feed, return)
+_TEXT_CONTROLS = frozenset("\t\n\v\f\r")
+
+
+def _as_text(head: bytes, complete: bool) -> str | None:
+    """``head`` decoded as UTF-8 text, or None for binary data: bytes that do not decode
+    (a character cut by the end of the probe is not counted, unless the file ends there)
+    or control characters that text does not hold (NUL, backspace...)."""
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        cut = error.reason == "unexpected end of data" and error.end == len(head)
+        if complete or not cut:
+            return None
+        text = head[: error.start].decode("utf-8")
+    if any((ch < " " and ch not in _TEXT_CONTROLS) or ch == "\x7f" for ch in text):
+        return None
+    return text
 
 
 def _first_line(error: BaseException) -> str:
