@@ -317,16 +317,27 @@ def _clone(value: Any) -> Any:
 # ---------------------------------------------------------------------- ZeRO 1/2
 
 
-def _read_zero12(
-    tag_dir: Path, files: list[Path], first: Any, optimizer: bool, unsafe: bool
-) -> DeepSpeedState:
-    model_path = tag_dir / _MODEL_STATES
+def _open_ranks(
+    model_path: Path, files: list[Path], first: Any, tag_dir: Path, unsafe: bool, base_key: str
+) -> tuple[Any, list[Any], list[Any], list[Mapping[str, Any]]]:
+    """Read the model states file and every rank's optimizer file (``first`` is rank 0's,
+    read already) and check them against the world; return the model states, each rank's
+    ZeRO optimizer state, each rank's torch optimizer state inside it (under ``base_key``)
+    and the parameter shapes of each group."""
     states = _model_states(model_path, unsafe)
     ranks = [first] + [load_file(path, allow_unsafe_pickle=unsafe) for path in files[1:]]
     inner = [rank["optimizer_state_dict"] for rank in ranks]
     _check_world(inner[0].get("partition_count"), len(files), tag_dir)
     shapes: list[Mapping[str, Any]] = states.get("param_shapes") or []
-    base = [part["base_optimizer_state"] for part in inner]
+    return states, inner, [part[base_key] for part in inner], shapes
+
+
+def _read_zero12(
+    tag_dir: Path, files: list[Path], first: Any, optimizer: bool, unsafe: bool
+) -> DeepSpeedState:
+    states, inner, base, shapes = _open_ranks(
+        tag_dir / _MODEL_STATES, files, first, tag_dir, unsafe, "base_optimizer_state"
+    )
     model: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, Any]] = {}
     group_names: list[list[str]] = []
@@ -437,13 +448,10 @@ def _read_zero3(
             "optimizer file(s): a ZeRO-3 save writes one of each per rank"
         )
         raise CheckpointError(message)
-    states = _model_states(model_files[0], unsafe)
-    ranks = [first] + [load_file(path, allow_unsafe_pickle=unsafe) for path in files[1:]]
-    inner = [rank["optimizer_state_dict"] for rank in ranks]
+    states, inner, base, shapes = _open_ranks(
+        model_files[0], files, first, tag_dir, unsafe, "optimizer_state_dict"
+    )
     world = len(files)
-    _check_world(inner[0].get("partition_count"), world, tag_dir)
-    shapes: list[Mapping[str, Any]] = states.get("param_shapes") or []
-    base = [part["optimizer_state_dict"] for part in inner]
     model: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, Any]] = {}
     group_names: list[list[str]] = []
