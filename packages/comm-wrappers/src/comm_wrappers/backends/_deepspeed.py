@@ -138,6 +138,22 @@ class DeepSpeedBackend(Backend):
                 ]
         return None
 
+    def optimizer_groups(self, optimizer: Optimizer) -> list[list[str]] | None:
+        """Each param group as the names of its parameters: the torch optimizer's own
+        groups under ZeRO-0 in fp32; else the engine's flat partitions, joined by group
+        (ZeRO-3's sub-groups share their group's index)."""
+        flat = self._flat_groups()
+        if flat is None:
+            return super().optimizer_groups(optimizer)
+        names: dict[int, set[str]] = {}
+        for name, param in self._target().named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), set()).add(name)
+        joined: dict[int, set[str]] = {index: set() for index in range(len(optimizer.param_groups))}
+        for index, _, params in flat:
+            for param in params:
+                joined.setdefault(index, set()).update(names.get(id(param), ()))
+        return [sorted(joined[index]) for index in sorted(joined)]
+
     def _relink(self) -> None:
         """Point every parameter's fragment at its group's optimizer state (ZeRO 1-2, bf16).
 
