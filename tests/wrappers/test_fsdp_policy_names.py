@@ -71,6 +71,14 @@ def wrappings(with_mmengine: bool) -> dict[str, dict[str, list[str]]]:
             "type": "torch.distributed.fsdp.wrap.ModuleWrapPolicy",
             "module_classes": {nn.Linear},
         },
+        "policy class, dotted, class names": {
+            "type": "torch.distributed.fsdp.wrap.ModuleWrapPolicy",
+            "module_classes": ["Linear"],
+        },
+        "policy class, dotted, one class name": {
+            "type": "torch.distributed.fsdp.wrap.ModuleWrapPolicy",
+            "module_classes": "Linear",
+        },
         "class names": ["Linear"],
     }
     if with_mmengine:
@@ -144,6 +152,10 @@ def test_every_policy_form_wraps_as_the_short_name(
         every_linear = result["class names"]
         assert every_linear["fsdp"] == ["", "lin1", "lin2", "head"]
         assert result["policy class, dotted"] == every_linear, (rank, result)
+        # ModuleWrapPolicy's module_classes may name the model's classes, as
+        # transformer_layer_cls may (was: TypeError from isinstance() in torch)
+        for label in ("policy class, dotted, class names", "policy class, dotted, one class name"):
+            assert result[label] == every_linear, (rank, label, result[label])
 
 
 @pytest.mark.parametrize("with_mmengine", [False, True], ids=["plain", "mmengine"])
@@ -198,6 +210,12 @@ def test_unknown_policy_names_list_the_accepted_forms() -> None:
     assert error_type == "ValueError"
     assert "'NoSuchBlock' is not a module class of the model" in message
     assert "dotted import path" in message
+    # a class name in ModuleWrapPolicy's module_classes that the model does not have
+    policy = {"type": "torch.distributed.fsdp.wrap.ModuleWrapPolicy", "module_classes": ["Block"]}
+    error_type, message = caught(coerce_auto_wrap_policy, policy, net)
+    assert error_type == "ValueError", message
+    assert "module_classes: 'Block' is not a module class of the model" in message
+    assert "the model's classes are Linear, Sequential" in message
 
 
 def test_the_wrappers_never_import_mmengine() -> None:

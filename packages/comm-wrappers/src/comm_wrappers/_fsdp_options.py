@@ -83,7 +83,8 @@ def coerce_auto_wrap_policy(value: Any, module: nn.Module) -> Any:
     torch's policies) or a name in MMEngine's ``FUNCTIONS`` registry (looked up when MMEngine
     is imported already); ``dict(type=..., **kwargs)`` with ``type`` any of those forms or
     the function itself (lazy-import configs), the kwargs bound (``transformer_layer_cls``
-    may give class names; a policy class such as ``ModuleWrapPolicy`` is built with them);
+    and ``ModuleWrapPolicy``'s ``module_classes`` may give class names of the model; a
+    policy class such as ``ModuleWrapPolicy`` is built with them);
     a module class, a class name of the model, or a list/set of them (every instance of
     those classes becomes its own FSDP unit).
     """
@@ -101,10 +102,9 @@ def coerce_auto_wrap_policy(value: Any, module: nn.Module) -> Any:
                 f"got {name!r}"
             )
             raise ValueError(message)
-        if "transformer_layer_cls" in kwargs:
-            kwargs["transformer_layer_cls"] = _resolve_classes(
-                _as_list(kwargs["transformer_layer_cls"]), module, "transformer_layer_cls"
-            )
+        for option in ("transformer_layer_cls", "module_classes"):  # ModuleWrapPolicy's
+            if option in kwargs:
+                kwargs[option] = _resolve_classes(_as_list(kwargs[option]), module, option)
         if isinstance(policy, type) and issubclass(policy, fsdp_wrap._Policy):
             return policy(**kwargs)
         return functools.partial(policy, **kwargs) if kwargs else policy
