@@ -466,6 +466,53 @@ def test_a_call_timeout_bounds_the_wait_before_the_data_moves(tmp_path: Path) ->
     assert first["after"] == late["after"]  # the world went on working: the same model
 
 
+def one_rank_fails_before_reading(root: str) -> dict[str, Any]:
+    """Rank 1 cannot read the manifest (a stale network filesystem); then rank 0 passes
+    optimizers under other names. Each call must raise on both ranks at once (the failure
+    shared before the data moves), not after the other rank's timeout, and the calls must
+    stay in step: a correct load afterwards works."""
+    from comm_strategies.checkpoint import _load
+
+    out: dict[str, Any] = {}
+    model = torch.nn.Linear(4, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = save_checkpoint(f"{root}/ck", model=model, optim_wrapper=optim, strategy="ddp")
+    read_manifest = _load.read_manifest
+    if dist.get_rank() == 1:
+
+        def unreadable(source: Path) -> Any:
+            raise OSError("stale file handle")
+
+        _load.read_manifest = unreadable
+    start = time.monotonic()
+    out["unreadable"] = caught(load_checkpoint, path, model=model, optim_wrapper=optim, timeout=30)
+    out["unreadable_took"] = time.monotonic() - start
+    _load.read_manifest = read_manifest
+    other = {"a": optim, "b": torch.optim.SGD(model.parameters(), lr=1.0)}
+    start = time.monotonic()
+    mine = other if dist.get_rank() == 0 else optim
+    out["names"] = caught(load_checkpoint, path, model=model, optim_wrapper=mine, timeout=30)
+    out["names_took"] = time.monotonic() - start
+    out["after"] = caught(load_checkpoint, path, model=model, optim_wrapper=optim, timeout=30)
+    return out
+
+
+def test_a_rank_that_fails_before_the_data_moves_fails_every_rank_at_once(
+    comm_pools: Any, tmp_path: Path
+) -> None:
+    results = comm_pools.get(2).run(one_rank_fails_before_reading, str(tmp_path), timeout=120)
+    for result in results:
+        name, message = result["unreadable"]
+        assert name == "CheckpointError", message
+        assert "rank 1: OSError: stale file handle" in message, message
+        assert result["unreadable_took"] < 10.0, result["unreadable_took"]  # not the 30 s
+        name, message = result["names"]
+        assert name == "CheckpointError", message
+        assert "the optim wrapper has ['a', 'b']" in message, message
+        assert result["names_took"] < 10.0
+        assert result["after"] == ("", ""), result["after"]  # still in step
+
+
 def errors_on_every_rank(root: str) -> dict[str, str]:
     """Another model's manifest, a truncated file, different paths: errors on every rank."""
     out = {}

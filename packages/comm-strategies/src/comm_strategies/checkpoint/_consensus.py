@@ -109,20 +109,26 @@ class Call:
             )
             raise CheckpointError(message) from error
 
-    def together(self, step: str) -> None:
+    def together(self, step: str, error: BaseException | None = None) -> None:
         """Wait until every rank reached ``step``, before a part that moves data between
-        the ranks (torch's collectives wait only for the process group's own timeout).
+        the ranks (torch's collectives wait only for the process group's own timeout), and
+        share each rank's outcome of the work before it.
 
         Bounded by what is left of the call's timeout when the caller passed one, else by
         the entry timeout. A store exchange, like the entry: nothing is left pending in the
-        process group, so the world stays usable after a timeout.
+        process group, so the world stays usable after a timeout. ``error`` (this rank's
+        failure since entering) is raised on every rank at once, naming the rank, so a
+        rank that failed early does not leave the others waiting out the timeout (and
+        arrive at their next call one timeout after it).
 
         Raises:
-            CheckpointError: A rank did not reach ``step`` in time (named); or this rank
-                reached it after the call's timeout had passed, when the others had given
-                the call up.
+            CheckpointError: A rank failed before ``step`` (on every rank, naming it); a
+                rank did not reach ``step`` in time (named); or this rank reached it after
+                the call's timeout had passed, when the others had given the call up.
         """
         if dist.get_world_size() == 1:
+            if error is not None:
+                raise _failed(self.operation, error, [(0, _label(error))], error)
             return
         bound = self.timeout
         if self.deadline is not None:
@@ -137,9 +143,11 @@ class Call:
                 raise CheckpointError(message)
         key = f"comm_checkpoint/{self.number}/{step}"
         try:
-            dist.rendezvous(key, "", timeout=bound, withdraw_on_timeout=True)
-        except dist.CommTimeoutError as error:
-            missing = list(getattr(error, "missing", []))
+            outcomes = dist.rendezvous(
+                key, "" if error is None else _label(error), timeout=bound, withdraw_on_timeout=True
+            )
+        except dist.CommTimeoutError as timed_out:
+            missing = list(getattr(timed_out, "missing", []))
             message = (
                 f"{self.operation} on {where()}: rank(s) {missing} did not reach step "
                 f"{step!r} within {bound:.1f} s (the call's timeout is {self.timeout:g} s); "
@@ -147,7 +155,10 @@ class Call:
                 "if it is only slow, raise the timeout (timeout= or "
                 f"{_TIMEOUT_VARIABLE})."
             )
-            raise CheckpointError(message) from error
+            raise CheckpointError(message) from (error or timed_out)
+        failures = [(rank, text) for rank, text in enumerate(outcomes) if text]
+        if failures:
+            raise _failed(self.operation, error, failures, error)
 
     def vote(self, step: str, error: BaseException | None, timeout: float | None = None) -> None:
         """Share each rank's outcome of ``step``; raise on every rank if any rank failed.

@@ -88,23 +88,32 @@ def load_checkpoint(
         raise CheckpointError(message)
     optimizers = named_optimizers(optim_wrapper) if load_optimizer else {}
     request = LoadRequest(strict, optimizers, allow_unsafe_pickle)
-    # Before each part that moves data between the ranks: every rank is there first.
-    if source.is_file():
-        call.together("reading")
+    # What this rank finds at the path; before the part that moves data between the ranks
+    # every rank is there, and a rank that failed here makes every rank raise at once.
+    kind, manifest, error = "", None, None
+    try:
+        if source.is_file():
+            kind = "file"
+        elif not source.exists():
+            message = f"checkpoint {source} does not exist"
+            raise CheckpointError(message)
+        elif not (source / MANIFEST_NAME).is_file() and ds_files.is_deepspeed_folder(source):
+            kind = "deepspeed"
+        else:
+            manifest = read_manifest(source)
+            request = LoadRequest(
+                strict, _saved_optimizers(source, manifest, optimizers), allow_unsafe_pickle
+            )
+    except Exception as caught:
+        error = caught
+    call.together("reading", error)
+    if kind == "file":
         _load_plain_file(source, backend, request)
         return {}
-    if not source.exists():
-        message = f"checkpoint {source} does not exist"
-        raise CheckpointError(message)
-    if not (source / MANIFEST_NAME).is_file() and ds_files.is_deepspeed_folder(source):
-        call.together("reading")
+    if kind == "deepspeed":
         _load_deepspeed_folder(source, backend, request, load_optimizer)
         return {}
-    manifest = read_manifest(source)
-    request = LoadRequest(
-        strict, _saved_optimizers(source, manifest, optimizers), allow_unsafe_pickle
-    )
-    call.together("reading")
+    assert manifest is not None
     FORMATS[manifest.format].read(source, manifest, backend, request)
     if request.optimizers and manifest.has_scaler:
         _load_scalers(source, optim_wrapper, allow_unsafe_pickle)
