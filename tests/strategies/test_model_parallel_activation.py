@@ -9,6 +9,7 @@ recomputation in the backward happened).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -17,7 +18,8 @@ from torch import nn
 
 import comm_collectives as dist
 from comm_strategies import build_strategy
-from comm_strategies._activation import apply_activation_checkpointing
+from comm_strategies._activation import apply_activation_checkpointing, is_checkpointed
+from comm_wrappers import unwrap_model
 from tests.helpers import full_params, max_diff
 
 STEPS, BATCH = 2, 4
@@ -244,3 +246,44 @@ def test_activation_checkpointing_with_auto_wrap_policy_by_class_name(comm_pools
     for result in results:
         assert set(result) == {"fsdp", "fsdp2", "model_parallel"}
     check(results)
+
+
+def hooked_forward(module: Block, x: torch.Tensor) -> torch.Tensor:
+    """An instance ``forward`` as accelerate-style hooks set one: it counts its calls and
+    changes the result (twice the class forward's), so that which forward ran shows."""
+    module.hook_calls += 1
+    return 2.0 * Block.forward(module, x)
+
+
+def hooked_net() -> BlockNet:
+    model = BlockNet()
+    for block in (model.block1, model.block2):
+        block.hook_calls = 0
+        block.forward = functools.partial(hooked_forward, block)
+    return model
+
+
+def test_a_forward_set_on_the_instance_is_the_one_checkpointed() -> None:
+    # The class forward ran instead, dropping the instance's (the hook's) forward.
+    plain = hooked_net()
+    strategy = build_strategy("single", seed=0, activation_checkpointing={Block})
+    recomputed, _, _ = strategy.prepare(hooked_net())
+    blocks = [unwrap_model(recomputed).block1, unwrap_model(recomputed).block2]
+    assert all(is_checkpointed(block) for block in blocks)
+    inputs, targets = data(0, 0)
+    expected = plain(inputs, targets, mode="loss")["loss"]
+    got = recomputed(inputs, targets, mode="loss")["loss"]
+    assert torch.equal(got, expected)
+    assert float(expected) != float(BlockNet()(inputs, targets, mode="loss")["loss"])
+    expected.backward()
+    got.backward()
+    wanted = {name: p.grad for name, p in plain.named_parameters()}
+    for name, param in unwrap_model(recomputed).named_parameters():
+        assert param.grad is not None, name
+        assert torch.equal(param.grad, wanted[name]), name
+    assert [plain.block1.hook_calls, plain.block2.hook_calls] == [1, 1]
+    assert [block.hook_calls for block in blocks] == [2, 2]  # recomputed in the backward
+    for block in blocks:  # the hook's forward is kept, recoverable
+        assert block.forward.args[1].func is hooked_forward
+        assert block.forward.args[1].args == (block,)
+    assert apply_activation_checkpointing(recomputed, {Block}) == 0  # applied once only

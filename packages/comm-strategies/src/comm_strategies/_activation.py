@@ -7,7 +7,9 @@ compute for memory. The results are those of the run without it.
 
 Each such module gets its own ``forward`` (an instance attribute: a ``functools.partial``
 of a module-level function, bound to the module) that checkpoints its class's
-``forward``. The module keeps its class (``type(m) is Block``, class names in
+``forward``; or, where the module had a ``forward`` of its own already (an instance
+attribute, as hooks like accelerate's set), that one, which stays recoverable as
+``module.forward.args[1]``. The module keeps its class (``type(m) is Block``, class names in
 ``auto_wrap_policy`` still match), its parameter and state-dict names (no
 ``_checkpoint_wrapped_module.`` level: tensor-parallel plans, checkpoints and optimizers
 see the same names), its keyword arguments (all of them reach its ``forward``, including
@@ -17,7 +19,7 @@ ones named ``debug`` or ``context_fn``), and the model still pickles and deep-co
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -69,10 +71,23 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(run, *args, use_reentrant=False)
 
 
+def _checkpointed_own_forward(
+    module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """Run ``forward``, the ``forward`` that ``module`` had as an instance attribute before
+    it was checkpointed, under ``torch.utils.checkpoint`` (as `_checkpointed_forward`)."""
+    del module  # in the partial so that it names its module, as _checkpointed_forward's does
+    run = functools.partial(forward, **kwargs)
+    return checkpoint(run, *args, use_reentrant=False)
+
+
+_CHECKPOINTED = (_checkpointed_forward, _checkpointed_own_forward)
+
+
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether `apply_activation_checkpointing` gave ``module`` its checkpointed forward."""
     forward = module.__dict__.get("forward")
-    return isinstance(forward, functools.partial) and forward.func is _checkpointed_forward
+    return isinstance(forward, functools.partial) and forward.func in _CHECKPOINTED
 
 
 def apply_activation_checkpointing(model: nn.Module, classes: Any) -> int:
@@ -110,7 +125,13 @@ def apply_activation_checkpointing(model: nn.Module, classes: Any) -> int:
             continue
         # An instance attribute: plain Python state, so deepcopy and pickle carry it (the
         # partial holds the module-level function and the module itself).
-        module.forward = functools.partial(_checkpointed_forward, module)
+        # A forward set on the instance already (a hook's, a user's) is the one that runs,
+        # so that is the one to checkpoint; the class's otherwise.
+        own = module.__dict__.get("forward")
+        if own is not None:
+            module.forward = functools.partial(_checkpointed_own_forward, module, own)
+        else:
+            module.forward = functools.partial(_checkpointed_forward, module)
         changed += 1
     if not found:
         names = ", ".join(cls.__name__ for cls in wanted)
