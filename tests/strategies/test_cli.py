@@ -215,10 +215,33 @@ def test_bad_conversions_are_clear_errors(
     with pytest.raises(CheckpointError, match="it is a folder; a plain weights file"):
         convert_checkpoint(saved / "fsdp2", folder, to="plain")
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
-    weights = tmp_path / "weights.pt"  # a weights file already there is replaced
-    weights.write_bytes(b"old")
-    convert_checkpoint(saved / "fsdp2", weights)
-    assert sorted(torch.load(weights, weights_only=True)) != []
+    # A file with a weights suffix is looked into: text named .ckpt is no weights file.
+    text = tmp_path / "full.ckpt"
+    text.write_text("lightning notes")
+    with pytest.raises(CheckpointError, match="not a weights file: it is a text file"):
+        convert_checkpoint(saved / "fsdp2", text, to="plain")
+    assert text.read_text() == "lightning notes"
+    # A symbolic link is refused: replacing it would lose the link and keep its target.
+    link = tmp_path / "link.pt"
+    link.symlink_to(notes)
+    assert cli.main(["convert", str(saved / "fsdp2"), str(link), "--to", "plain"]) == 2
+    err = capsys.readouterr().err
+    assert "it is a symbolic link" in err, err
+    assert "pass the link's target path" in err, err
+    assert link.is_symlink()
+    assert notes.read_text() == "mine"
+    expected = torch.load(convert_checkpoint(saved / "fsdp2", tmp_path / "new.pt"))
+    assert sorted(expected) != []
+    # Weights files already there are replaced, whatever the case of the suffix, in
+    # torch's zip format or its legacy pickle.
+    for name, legacy in (("weights.pt", False), ("UP.PT", False), ("old.Pth", True)):
+        weights = tmp_path / name
+        torch.save({"old": torch.zeros(1)}, weights, _use_new_zipfile_serialization=not legacy)
+        assert weights.read_bytes()[:1] == (b"\x80" if legacy else b"P")
+        assert convert_checkpoint(saved / "fsdp2", weights) == weights  # plain, by suffix
+        got = torch.load(weights, weights_only=True)
+        assert sorted(got) == sorted(expected), name
+        assert all(torch.equal(got[k], expected[k]) for k in expected), name
 
 
 def test_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

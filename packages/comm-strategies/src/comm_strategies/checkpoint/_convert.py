@@ -26,7 +26,13 @@ from . import _deepspeed_files as ds_files
 from . import _deepspeed_offline as ds_offline
 from . import _publish
 from ._errors import CheckpointError
-from ._files import fsync_enabled, load_tensor_file, save_tensor_file, write_json
+from ._files import (
+    _not_a_torch_file,
+    fsync_enabled,
+    load_tensor_file,
+    save_tensor_file,
+    write_json,
+)
 from ._formats import quiet_torch, read_dcp_full
 from ._layout import (
     DCP_FOLDER,
@@ -261,7 +267,7 @@ def convert_checkpoint(
     and writes, by ``to``:
 
     - ``"plain"`` (the default for a destination ending in ``.pt``/``.pth``/``.bin``/
-      ``.ckpt``): the full model state dict as one file that
+      ``.ckpt``, in any case): the full model state dict as one file that
       ``torch.load(weights_only=True)`` reads. Weights only.
     - ``"full"``: a checkpoint folder of format ``full`` (``model.pt``, ``optim.pt`` with
       the optimizer state keyed by parameter names, the source's schedulers, scaler, user
@@ -281,7 +287,9 @@ def convert_checkpoint(
     Args:
         source: A checkpoint folder, a DeepSpeed checkpoint folder or a ``.pth`` file.
         destination: The file or folder to write (replaced atomically if it exists and is a
-            checkpoint of the same kind; anything else there is refused, never replaced).
+            checkpoint of the same kind: for ``"plain"``, a file with one of the suffixes
+            above that holds torch's zip or legacy pickle format; anything else there, a
+            symbolic link included, is refused, never replaced).
         to: ``"plain"``, ``"full"``, ``"sharded"`` or ``"deepspeed"``; None chooses
             ``"plain"`` or ``"sharded"`` from the destination's suffix.
         allow_unsafe_pickle: Allow source files that need full unpickling (old pickles,
@@ -295,7 +303,7 @@ def convert_checkpoint(
         ValueError: ``to`` is not one of the targets.
         CheckpointError: The source is missing, is no checkpoint, or is damaged; the
             destination is a folder that is not a checkpoint; a plain destination is a
-            folder, or an existing file that is not a weights file.
+            folder, a symbolic link, or an existing file that is not a weights file.
 
     Examples:
         >>> import tempfile, torch
@@ -311,7 +319,7 @@ def convert_checkpoint(
     """
     src, dst = Path(source), Path(destination).absolute()
     if to is None:
-        to = "plain" if dst.suffix in PLAIN_SUFFIXES else "sharded"
+        to = "plain" if _plain_suffix(dst) else "sharded"
     if to not in TARGETS:
         message = f"to must be one of {', '.join(map(repr, TARGETS))}; got {to!r}"
         raise ValueError(message)
@@ -327,22 +335,49 @@ def convert_checkpoint(
     return _write_folder(read, dst, sharded=to == "sharded", progress=progress)
 
 
+def _plain_suffix(path: Path) -> bool:
+    """Whether ``path`` ends in one of `PLAIN_SUFFIXES`, in any case (``UP.PT`` too)."""
+    return path.suffix.lower() in PLAIN_SUFFIXES
+
+
 def _check_plain_destination(dst: Path) -> None:
-    """Refuse to replace what is not a weights file: a folder, or a file of another kind
-    (a ``.pt``/``.pth``/``.bin``/``.ckpt`` file already there is replaced, atomically)."""
+    """Refuse to replace what is not a weights file: a symbolic link, a folder, or a file of
+    another kind (a ``.pt``/``.pth``/``.bin``/``.ckpt`` file already there in torch's zip or
+    legacy pickle format is replaced, atomically)."""
+    if dst.is_symlink():
+        # Replacing it would put a regular file in the link's place: the link lost, its
+        # target left as it was.
+        message = (
+            f"cannot convert into {dst}: it is a symbolic link (to {os.readlink(dst)}); pass "
+            "the link's target path to replace that file, or remove the link"
+        )
+        raise CheckpointError(message)
     if dst.is_dir():
         message = (
             f"cannot convert into {dst}: it is a folder; a plain weights file needs a file "
             f"name (e.g. {dst / 'model.pt'}), or pass to='full' or 'sharded' for a folder"
         )
         raise CheckpointError(message)
-    if dst.exists() and dst.suffix not in PLAIN_SUFFIXES:
-        message = (
-            f"cannot convert into {dst}: the file exists and is not a weights file "
-            f"(suffix {dst.suffix or 'none'!r}, expected one of {', '.join(PLAIN_SUFFIXES)}); "
-            "remove it or choose another name"
+    if not dst.exists():
+        return
+    if not dst.is_file():  # a FIFO, a socket, a device: not read, never replaced
+        what = "it is not a regular file"
+    elif not _plain_suffix(dst):
+        what = (
+            f"its suffix is {dst.suffix or 'none'!r}, expected one of {', '.join(PLAIN_SUFFIXES)}"
         )
-        raise CheckpointError(message)
+    else:
+        with dst.open("rb") as handle:
+            head = handle.read(4)
+        # torch.save's zip format, or its legacy pickle (torch before 1.6).
+        if head == b"PK\x03\x04" or head[:1] == b"\x80":
+            return
+        what = f"it is {_not_a_torch_file(dst) or 'of another format'}"
+    message = (
+        f"cannot convert into {dst}: the file exists and is not a weights file: {what}; "
+        "remove it or choose another name"
+    )
+    raise CheckpointError(message)
 
 
 def _begin(dst: Path, *, deepspeed: bool = False) -> Path:
