@@ -4,7 +4,10 @@ The ranks build the model from a config after being seeded with ``seed + rank``,
 holds different initial values; FSDP1 (without ``sync_module_states``) and FSDP2
 (``fully_shard`` keeps each rank's values) would shard those, and the model would be
 rank 0's first shard next to rank 1's second. As DDP (and ``model_parallel``) does, rank 0's
-parameters and buffers are broadcast before sharding. On 2 gloo ranks against plain torch.
+parameters and buffers are broadcast before sharding. A model built on the meta device is
+materialised by FSDP1 on each rank (``param_init_fn``, or ``reset_parameters``) under that
+rank's seed, after that broadcast: each materialised module is then broadcast from rank 0.
+On 2 gloo ranks against plain torch.
 """
 
 from __future__ import annotations
@@ -109,3 +112,82 @@ def test_diff_rank_seed_shards_the_model_one_process_builds(comm_pools: Any) -> 
         # ...and without it the ranks draw alike.
         draws = by_label[f"{name}, diff_rank_seed=False"]["draws"]
         assert draws[0] == draws[1], (name, draws)
+
+
+def random_init(module: torch.nn.Module) -> None:
+    """A ``param_init_fn`` that initialises randomly: a meta module's own tensors, normal."""
+    module.to_empty(device="cpu", recurse=False)
+    with torch.no_grad():
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor.normal_()
+
+
+class MetaNetWithBuffer(Net):
+    """The test net with a buffer, built on the meta device (FSDP1 materialises it)."""
+
+    def __init__(self) -> None:
+        with torch.device("meta"):
+            super().__init__()
+            self.register_buffer("noise", torch.randn(3))
+
+
+class MetaNet(Net):
+    """The test net built on the meta device, no ``param_init_fn``: ``reset_parameters``."""
+
+    def __init__(self) -> None:
+        with torch.device("meta"):
+            super().__init__()
+
+
+def one_process_meta_model(random: bool) -> dict[str, torch.Tensor]:
+    """What one process seeded with 0 materialises: FSDP1's order, module by module."""
+    torch.manual_seed(0)
+    if not random:
+        return full_params(Net())  # reset_parameters of lin1, lin2, head, in that order
+    model = MetaNetWithBuffer()
+    for module in model.modules():
+        if any(t.is_meta for t in [*module.parameters(False), *module.buffers(False)]):
+            random_init(module)
+    return {**full_params(model), **{n: b.detach().clone() for n, b in model.named_buffers()}}
+
+
+def meta_from_config(config: Any, model_wrapper: dict[str, Any]) -> dict[str, Any]:
+    import comm_collectives as dist
+
+    strategy = build_strategy("fsdp", seed=0, diff_rank_seed=True, model_wrapper=model_wrapper)
+    model, _, _ = strategy.prepare({"type": config})
+    state = {**full_params(model), **buffers(model)}
+    random = config is MetaNetWithBuffer
+    across_ranks = dist.all_gather_object({k: v.tolist() for k, v in state.items()})
+    return {
+        "rank 0's seed": max_diff(state, one_process_meta_model(random)),
+        "same_on_every_rank": all(other == across_ranks[0] for other in across_ranks),
+    }
+
+
+def meta_all() -> dict[str, dict[str, Any]]:
+    return {
+        "random param_init_fn": meta_from_config(MetaNetWithBuffer, {"param_init_fn": random_init}),
+        "random param_init_fn, by dotted path": meta_from_config(
+            MetaNetWithBuffer, {"param_init_fn": f"{__name__}.random_init"}
+        ),
+        "no param_init_fn": meta_from_config(MetaNet, {}),
+        "sync_module_states=False": meta_from_config(
+            MetaNetWithBuffer, {"param_init_fn": random_init, "sync_module_states": False}
+        ),
+    }
+
+
+def test_diff_rank_seed_materialises_a_meta_model_from_rank_0s_seed(comm_pools: Any) -> None:
+    results = comm_pools.get(2).run(meta_all, timeout=240)
+    for rank, result in enumerate(results):
+        for label in ("random param_init_fn", "random param_init_fn, by dotted path"):
+            # was: the flat parameter's first half from seed 0, its second from seed 1
+            figures = result[label]
+            assert figures["same_on_every_rank"], (label, rank, figures)
+            assert figures["rank 0's seed"] < TOLERANCE, (label, rank, figures)
+        figures = result["no param_init_fn"]
+        assert figures["same_on_every_rank"], (rank, figures)
+        assert figures["rank 0's seed"] < TOLERANCE, (rank, figures)
+        # sync_module_states set by the user is respected: False keeps each rank's values
+        assert not result["sync_module_states=False"]["same_on_every_rank"], (rank, result)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+import torch.distributed as torch_dist
 from torch import nn
 
 from comm_wrappers import MMFullyShardedDataParallel, MMFullyShardedDataParallel2
+from comm_wrappers._fsdp_options import coerce_param_init_fn
+from comm_wrappers.backends import rank_device
 
 from .base import Strategy
 
@@ -31,7 +36,14 @@ class FSDPStrategy(Strategy):
     ``diff_rank_seed=True`` seeds each rank with ``seed + rank``; the model's initial values
     are still one model's: rank 0's parameters and buffers, broadcast before sharding (as
     DDP does at construction), so the sharded model is what one process seeded with
-    ``seed`` builds. (A model on the meta device is initialised by each rank afterwards.)
+    ``seed`` builds. A model on the meta device, which FSDP1 materialises on each rank
+    (``param_init_fn``, or ``reset_parameters``) under that rank's seed, gets rank 0's
+    values too: each module is broadcast from rank 0 as it is materialised (as
+    ``sync_module_states=True`` does, which FSDP1 refuses for CPU modules), unless the user
+    set ``sync_module_states``. FSDP2 does not materialise: the model stays on meta
+    through ``prepare``, and the user's ``to_empty()`` and initialisation afterwards draw
+    each rank's shard from that rank's generator on CPU ranks (DTensor's shared random
+    generator only on accelerators): broadcast rank 0's values after initialising.
 
     Args:
         fsdp_version: ``1`` (``FullyShardedDataParallel``) or ``2`` (``fully_shard``).
@@ -66,6 +78,53 @@ class FSDPStrategy(Strategy):
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         self._same_initial_values(model)  # diff_rank_seed: one model's values, not a patchwork
+        options = copy.deepcopy(self.model_wrapper)
+        if (
+            self.fsdp_version == 1
+            and self.diff_rank_seed
+            and self.world_size > 1
+            and "sync_module_states" not in options  # the user's choice stands
+            and _has_meta_tensors(model)
+        ):
+            # The meta tensors are materialised by each rank under its own seed, after the
+            # broadcast above: each materialised module gets rank 0's values, as FSDP1's
+            # sync_module_states=True would give (which refuses modules on the CPU).
+            options["param_init_fn"] = _synced_init(options)
         wrapper = _VERSIONS[self.fsdp_version]
-        wrapped: nn.Module = wrapper(model, **copy.deepcopy(self.model_wrapper))
+        wrapped: nn.Module = wrapper(model, **options)
         return wrapped
+
+
+def _has_meta_tensors(model: nn.Module) -> bool:
+    return any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
+
+
+def _synced_init(options: Mapping[str, Any]) -> Callable[[nn.Module], None]:
+    """FSDP1's ``param_init_fn`` (the user's, or torch's default: ``to_empty`` then
+    ``reset_parameters``), followed by a broadcast of the module's values from rank 0."""
+    init = coerce_param_init_fn(options.get("param_init_fn"))
+    if init is None:
+        device = options.get("device_id")
+        if device is None:
+            device = rank_device(options.get("process_group"))
+        elif isinstance(device, int):
+            device = torch.device(rank_device().type, device)
+        reset: Any = coerce_param_init_fn("reset_parameters")  # takes a device= too
+        init = functools.partial(reset, device=device)
+    chosen = init
+
+    def synced(module: nn.Module) -> None:
+        chosen(module)
+        group_device = rank_device()
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.is_meta:
+                    continue
+                if tensor.device == group_device:
+                    torch_dist.broadcast(tensor.data, src=0)
+                else:
+                    staged = tensor.data.to(group_device)
+                    torch_dist.broadcast(staged, src=0)
+                    tensor.data.copy_(staged)
+
+    return synced
