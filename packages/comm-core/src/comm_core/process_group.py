@@ -157,10 +157,11 @@ _AT_EXIT: list[bool] = []
 def _teardown_at_exit() -> None:
     """Destroy the process group when the interpreter exits, once per process.
 
-    Registered by ``init_dist`` and by the first ``is_distributed`` that finds a group (the
-    check under every comm collective, wrapper and query), so a group made by
+    Registered when comm_core is imported, so a group made by
     ``torch.distributed.init_process_group`` (MMEngine's Runner, a user's script) gets the
-    same teardown.
+    same teardown; and as early as possible, because ``atexit`` runs its handlers in the
+    reverse order of registration: the handlers a script registers later (a final
+    all-reduce, its own ``destroy_process_group``) run first, while the group exists.
 
     A process that ends without ``destroy_dist`` left torch's backend threads running into
     the interpreter's teardown, where their C++ destructors sometimes abort the process
@@ -173,6 +174,8 @@ def _teardown_at_exit() -> None:
 
 
 def _destroy_at_exit() -> None:
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return  # no group (never made, or destroyed already): nothing to tear down
     try:
         _release_ddp_reducers()
         destroy_dist()
@@ -523,3 +526,6 @@ def _check_same_group_name(group: torch_dist.ProcessGroup | None, ranks: tuple[i
             "get_cpu_group(group) on every member right after creating the group."
         )
         raise ValueError(message)
+
+
+_teardown_at_exit()  # at import: see its docstring for why this early

@@ -10,7 +10,7 @@ from typing import ParamSpec, TypeVar
 import torch.distributed as torch_dist
 
 from .errors import NotInitializedError
-from .process_group import _teardown_at_exit, current_local_group
+from .process_group import current_local_group
 
 __all__ = [
     "barrier",
@@ -33,10 +33,7 @@ R = TypeVar("R")
 
 def is_distributed() -> bool:
     """Return True when a default process group is initialised."""
-    if torch_dist.is_available() and torch_dist.is_initialized():
-        _teardown_at_exit()  # a group made by torch (or MMEngine) gets comm's exit teardown
-        return True
-    return False
+    return torch_dist.is_available() and torch_dist.is_initialized()
 
 
 def get_default_group() -> torch_dist.ProcessGroup | None:
