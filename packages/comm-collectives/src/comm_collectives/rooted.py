@@ -65,6 +65,9 @@ def reduce(
         RemoteRankError: A rank passed a bad argument (unknown op, not a tensor, a ``dst``
             outside the group); raised on every rank.
         CollectiveMismatchError: Ranks passed different shapes, dtypes, ops or ``dst``.
+        ValueError: On ``dst`` only (the others hold no result): an integer ``mean`` that
+            is not an integer; ``tensor`` is left unchanged there. With ``async_op=True``
+            on the long path, at ``wait()``.
 
     Examples:
         >>> t = torch.tensor([2.0, 4.0])
