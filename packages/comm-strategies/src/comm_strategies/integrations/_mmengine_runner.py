@@ -249,7 +249,7 @@ def use_comm_wrappers(enable: bool = True) -> None:
     `CommFullyShardedDataParallel`, and the ``Runner``'s default wrapper (used when a
     config has no ``model_wrapper_cfg``) is `CommDistributedDataParallel`: an existing
     config runs on the CPU (gloo) and gets comm's behaviour. The ``Runner`` also starts
-    its process group with `comm_core.init_dist` (MMEngine's own calls
+    its process group with `comm_collectives.init_dist` (MMEngine's own calls
     ``torch.cuda.set_device`` and fails without CUDA; its default backend nccl becomes
     gloo there). MMEngine's own classes stay
     registered (under ``comm`` scope names ``mmengine_<name>``) so its
@@ -305,7 +305,7 @@ def use_comm_wrappers(enable: bool = True) -> None:
 def _comm_init_dist(
     launcher: str, backend: str = "nccl", init_backend: str = "torch", **kwargs: Any
 ) -> None:
-    """MMEngine's ``init_dist`` as the ``Runner`` calls it, done by `comm_core.init_dist`.
+    """MMEngine's ``init_dist`` as the ``Runner`` calls it, done by `comm_collectives.init_dist`.
 
     MMEngine's own selects a CUDA device unconditionally (``torch.cuda.set_device``), which
     fails on a machine without CUDA; comm's selects one only for a CUDA backend, and runs
@@ -315,7 +315,7 @@ def _comm_init_dist(
         assert _saved is not None
         _saved["init_dist"](launcher, backend, init_backend=init_backend, **kwargs)
         return
-    from comm_core import init_dist
+    from comm_collectives import init_dist
 
     if backend == "nccl" and not torch.cuda.is_available():
         backend = "gloo"
