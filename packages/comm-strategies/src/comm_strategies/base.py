@@ -308,17 +308,7 @@ class Strategy:
         """
         if not (self.diff_rank_seed and self.world_size > 1):
             return
-        device = rank_device()
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                if tensor.is_meta:
-                    continue
-                if tensor.device == device:
-                    torch_dist.broadcast(tensor.data, src=0)
-                else:
-                    staged = tensor.data.to(device)
-                    torch_dist.broadcast(staged, src=0)
-                    tensor.data.copy_(staged)
+        broadcast_module_state(model)
 
     def _compile(self, model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
         if not compile:
@@ -560,3 +550,22 @@ def _built_schedulers(config: Any) -> list[Any]:
         return []
     items = list(config) if isinstance(config, (list, tuple)) else [config]
     return [item for item in items if not isinstance(item, Mapping)]
+
+
+def broadcast_module_state(module: nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers of ``module`` (collective).
+
+    Tensors on the meta device (initialised later, on each rank) are skipped; a tensor on
+    another device than the group communicates on goes through a copy there.
+    """
+    device = rank_device()
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.is_meta:
+                continue
+            if tensor.device == device:
+                torch_dist.broadcast(tensor.data, src=0)
+            else:
+                staged = tensor.data.to(device)
+                torch_dist.broadcast(staged, src=0)
+                tensor.data.copy_(staged)

@@ -8,14 +8,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 
 from comm_wrappers import MMFullyShardedDataParallel, MMFullyShardedDataParallel2
 from comm_wrappers._fsdp_options import coerce_param_init_fn
 from comm_wrappers.backends import rank_device
 
-from .base import Strategy
+from .base import Strategy, broadcast_module_state
 
 __all__ = ["FSDPStrategy"]
 
@@ -115,16 +114,6 @@ def _synced_init(options: Mapping[str, Any]) -> Callable[[nn.Module], None]:
 
     def synced(module: nn.Module) -> None:
         chosen(module)
-        group_device = rank_device()
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                if tensor.is_meta:
-                    continue
-                if tensor.device == group_device:
-                    torch_dist.broadcast(tensor.data, src=0)
-                else:
-                    staged = tensor.data.to(group_device)
-                    torch_dist.broadcast(staged, src=0)
-                    tensor.data.copy_(staged)
+        broadcast_module_state(module)
 
     return synced
