@@ -167,8 +167,7 @@ def reduce_rows(rows: torch.Tensor, op: str, operation: str, *, exact: bool = Tr
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised flat tensor; a large CPU one from the buffer cache (no page faults)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return empty_bytes(numel * itemsize, device).view(dtype)
+    return empty_bytes(numel * dtype.itemsize, device).view(dtype)
 
 
 def _scratch_copy(row: torch.Tensor) -> torch.Tensor:
@@ -338,8 +337,7 @@ def start_backend_reduce(
         else:
             flats = [p.detach().reshape(-1).to(device=device, dtype=wire) for p in parts]
             if len(flats) == 1:  # a cached buffer: no page faults on a fresh allocation
-                nbytes = flats[0].numel() * flats[0].element_size()
-                work = empty_bytes(nbytes, device).view(wire).copy_(flats[0])
+                work = _empty(flats[0].numel(), wire, device).copy_(flats[0])
             else:
                 work = torch.cat(flats)
     except Exception as exc:
