@@ -11,34 +11,25 @@ files are read by ``_deepspeed_offline`` with ``weights_only=True``.
 from __future__ import annotations
 
 import os
-import sys
 import time
-import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import torch
-
-from .._names import strip_prefixes
-from . import _deepspeed_files as ds_files
-from . import _deepspeed_offline as ds_offline
 from . import _publish
-from ._errors import CheckpointError
-from ._files import (
-    _not_a_torch_file,
-    fsync_enabled,
-    load_tensor_file,
-    save_tensor_file,
-    write_json,
-)
-from ._formats import quiet_torch, read_dcp_full
+from ._convert_deepspeed import _write_deepspeed
+from ._convert_destination import PLAIN_SUFFIXES as PLAIN_SUFFIXES
+from ._convert_destination import _begin, _check_plain_destination, _plain_suffix
+from ._convert_progress import Progress as Progress
+from ._convert_progress import _nbytes
+from ._convert_progress import save_with_progress as save_with_progress
+from ._convert_source import Source as Source
+from ._convert_source import full_model_state_of as full_model_state_of
+from ._convert_source import read_source as read_source
+from ._files import write_json
+from ._formats import quiet_torch
 from ._layout import (
     DCP_FOLDER,
     DEFAULT_KEY,
-    DS_FOLDER,
-    DS_TAG,
     EXTRA_FILE,
     MODEL_FILE,
     OPTIM_FILE,
@@ -46,210 +37,13 @@ from ._layout import (
     SCALER_FILE,
     SCHEDULERS_FILE,
 )
-from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest
+from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from ._params import describe_params
 from ._save import _versions
 
-PLAIN_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 TARGETS = ("plain", "full", "sharded", "deepspeed")
 # What a converted folder copies from a comm source folder as it is.
 _SIDE_FILES = (SCHEDULERS_FILE, SCALER_FILE, EXTRA_FILE)
-
-
-class Progress:
-    """A text progress bar on a stream (stderr), by bytes; silent when disabled."""
-
-    def __init__(self, label: str, total: int, *, enabled: bool, stream: IO[str] | None = None):
-        self.label = label
-        self.total = max(total, 1)
-        self.done = 0
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self._shown = -1
-        self._start = time.monotonic()
-
-    def advance(self, amount: int) -> None:
-        self.done += amount
-        percent = min(100, self.done * 100 // self.total)
-        if self.enabled and percent != self._shown:
-            self._shown = percent
-            filled = percent * 30 // 100
-            bar = "#" * filled + "." * (30 - filled)
-            mib = self.done / 2**20
-            self.stream.write(f"\r{self.label} [{bar}] {percent:3d}% {mib:,.1f} MiB")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            seconds = time.monotonic() - self._start
-            self.stream.write(f" ({seconds:.1f} s)\n")
-            self.stream.flush()
-
-
-class _CountingWriter:
-    """A binary file that reports the bytes written to a `Progress`."""
-
-    def __init__(self, handle: IO[bytes], progress: Progress) -> None:
-        self.handle = handle
-        self.progress = progress
-
-    def write(self, data: Any) -> int:
-        written = self.handle.write(data)
-        self.progress.advance(len(memoryview(data).cast("B")))
-        return written
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
-def _nbytes(state: Any) -> int:
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, Mapping):
-        return sum(_nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_nbytes(v) for v in state)
-    return 0
-
-
-def save_with_progress(obj: Any, path: Path, *, progress: bool, label: str) -> None:
-    """``torch.save`` to a private file through a temporary name, with a progress bar."""
-    bar = Progress(label, _nbytes(obj), enabled=progress)
-    partial = path.with_name(path.name + f".partial-{uuid.uuid4().hex[:8]}")
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            torch.save(obj, _CountingWriter(handle, bar))  # type: ignore[arg-type]
-            handle.flush()
-            if fsync_enabled():
-                os.fsync(handle.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    finally:
-        bar.close()
-
-
-@dataclass
-class Source:
-    """A checkpoint read into full states in this process.
-
-    Attributes:
-        model: The full model state (parameters and buffers) by name.
-        optim: The optimizer states by key (``"default"`` for one optimizer), each in
-            torch's full form keyed by parameter names; empty when the source has none.
-        manifest: The source folder's manifest (a comm checkpoint), else None.
-        folder: The comm source folder whose side files (schedulers, scaler, user state,
-            RNG) a converted folder copies, else None.
-        strategy: The strategy that saved it (``"deepspeed"`` for DeepSpeed's own folder,
-            ``"convert"`` for a plain file).
-        world_size: How many ranks saved it.
-        deepspeed: DeepSpeed's step counter and LR scheduler state, for a DeepSpeed source.
-    """
-
-    model: dict[str, torch.Tensor]
-    optim: dict[str, Any] = field(default_factory=dict)
-    manifest: Manifest | None = None
-    folder: Path | None = None
-    strategy: str = "convert"
-    world_size: int = 1
-    deepspeed: ds_offline.DeepSpeedState | None = None
-
-
-def _plain_file(source: Path, unsafe: bool) -> dict[str, torch.Tensor]:
-    data = load_tensor_file(source, allow_unsafe_pickle=unsafe, mmap=True, what="checkpoint")
-    if isinstance(data, Mapping) and isinstance(data.get("state_dict"), Mapping):
-        data = data["state_dict"]
-    elif isinstance(data, Mapping) and isinstance(data.get("module"), Mapping):
-        data = data["module"]
-    if not isinstance(data, Mapping) or not any(isinstance(v, torch.Tensor) for v in data.values()):
-        kind = (
-            f"a dict with keys {sorted(map(str, data))[:8]}"
-            if isinstance(data, Mapping)
-            else (f"a {type(data).__name__}")
-        )
-        message = (
-            f"{source} holds no state dict: expected {{name: tensor}} or "
-            f"{{'state_dict': {{name: tensor}}}}, got {kind}"
-        )
-        raise CheckpointError(message)
-    return strip_prefixes({k: v for k, v in data.items() if isinstance(v, torch.Tensor)})
-
-
-def _deepspeed_source(tag_dir: Path, *, optimizer: bool, unsafe: bool) -> Source:
-    state = ds_offline.read_folder(tag_dir, optimizer=optimizer, allow_unsafe_pickle=unsafe)
-    return Source(
-        model=state.model,
-        optim={DEFAULT_KEY: state.optim} if state.optim else {},
-        strategy="deepspeed",
-        world_size=state.world_size,
-        deepspeed=state,
-    )
-
-
-def read_source(
-    source: Path, *, optimizer: bool = True, allow_unsafe_pickle: bool = False
-) -> Source:
-    """Read any checkpoint into full states in this process (no process group).
-
-    Raises:
-        CheckpointError: The path does not exist or holds no checkpoint (a folder that is
-            neither a comm checkpoint nor DeepSpeed's), or a file is damaged.
-    """
-    unsafe = allow_unsafe_pickle
-    if not source.exists():
-        message = f"checkpoint {source} does not exist"
-        raise CheckpointError(message)
-    if source.is_file():
-        return Source(model=_plain_file(source, unsafe))
-    if not (source / MANIFEST_NAME).is_file():
-        if not ds_files.is_deepspeed_folder(source):
-            message = (
-                f"{source} is not a checkpoint: it has no {MANIFEST_NAME} (a comm checkpoint "
-                "folder) and no *model_states.pt (a DeepSpeed checkpoint folder, save_dir or "
-                "save_dir/tag). Pass a checkpoint folder or a .pt/.pth file."
-            )
-            raise CheckpointError(message)
-        save_dir, tag = ds_files.split_folder(source)
-        return _deepspeed_source(save_dir / tag, optimizer=optimizer, unsafe=unsafe)
-    manifest = read_manifest(source)
-    common: dict[str, Any] = {
-        "manifest": manifest,
-        "folder": source,
-        "strategy": manifest.strategy,
-        "world_size": manifest.world_size,
-    }
-    want_optim = optimizer and manifest.has_optimizer
-    if manifest.format == "dcp":
-        full = read_dcp_full(source)
-        optim = dict(full.get("optim", {})) if want_optim else {}
-        return Source(model=dict(full["model"]), optim=optim, **common)
-    portable = manifest.format == "full" or (source / MODEL_FILE).is_file()
-    if portable:  # format full, or a DeepSpeed folder with its portable copy beside
-        model = load_tensor_file(
-            source / MODEL_FILE, allow_unsafe_pickle=unsafe, mmap=True, what="model state"
-        )
-        optim = {}
-        if want_optim and (source / OPTIM_FILE).is_file():
-            optim = dict(
-                load_tensor_file(
-                    source / OPTIM_FILE,
-                    allow_unsafe_pickle=unsafe,
-                    mmap=True,
-                    what="optimizer state",
-                )
-            )
-        return Source(model=dict(model), optim=optim, **common)
-    read = _deepspeed_source(source / DS_FOLDER / DS_TAG, optimizer=want_optim, unsafe=unsafe)
-    return Source(model=read.model, optim=read.optim, deepspeed=read.deepspeed, **common)
-
-
-def full_model_state_of(
-    source: Path, *, allow_unsafe_pickle: bool = False
-) -> dict[str, torch.Tensor]:
-    """The full model state dict of any checkpoint, read in this process (no group)."""
-    return read_source(source, optimizer=False, allow_unsafe_pickle=allow_unsafe_pickle).model
 
 
 def convert_checkpoint(
@@ -333,64 +127,6 @@ def convert_checkpoint(
     if to == "deepspeed":
         return _write_deepspeed(read, dst, progress=progress)
     return _write_folder(read, dst, sharded=to == "sharded", progress=progress)
-
-
-def _plain_suffix(path: Path) -> bool:
-    """Whether ``path`` ends in one of `PLAIN_SUFFIXES`, in any case (``UP.PT`` too)."""
-    return path.suffix.lower() in PLAIN_SUFFIXES
-
-
-def _check_plain_destination(dst: Path) -> None:
-    """Refuse to replace what is not a weights file: a symbolic link, a folder, or a file of
-    another kind (a ``.pt``/``.pth``/``.bin``/``.ckpt`` file already there in torch's zip or
-    legacy pickle format is replaced, atomically)."""
-    if dst.is_symlink():
-        # Replacing it would put a regular file in the link's place: the link lost, its
-        # target left as it was.
-        message = (
-            f"cannot convert into {dst}: it is a symbolic link (to {os.readlink(dst)}); pass "
-            "the link's target path to replace that file, or remove the link"
-        )
-        raise CheckpointError(message)
-    if dst.is_dir():
-        message = (
-            f"cannot convert into {dst}: it is a folder; a plain weights file needs a file "
-            f"name (e.g. {dst / 'model.pt'}), or pass to='full' or 'sharded' for a folder"
-        )
-        raise CheckpointError(message)
-    if not dst.exists():
-        return
-    if not dst.is_file():  # a FIFO, a socket, a device: not read, never replaced
-        what = "it is not a regular file"
-    elif not _plain_suffix(dst):
-        what = (
-            f"its suffix is {dst.suffix or 'none'!r}, expected one of {', '.join(PLAIN_SUFFIXES)}"
-        )
-    else:
-        with dst.open("rb") as handle:
-            head = handle.read(4)
-        # torch.save's zip format, or its legacy pickle (torch before 1.6).
-        if head == b"PK\x03\x04" or head[:1] == b"\x80":
-            return
-        what = f"it is {_not_a_torch_file(dst) or 'of another format'}"
-    message = (
-        f"cannot convert into {dst}: the file exists and is not a weights file: {what}; "
-        "remove it or choose another name"
-    )
-    raise CheckpointError(message)
-
-
-def _begin(dst: Path, *, deepspeed: bool = False) -> Path:
-    """A private temporary folder next to ``dst`` after checking ``dst`` may be replaced
-    (a comm checkpoint, a universal folder this wrote, an empty folder, or nothing)."""
-    temporary = _publish.temporary_name(dst)
-    if deepspeed and (dst / ds_offline.UNIVERSAL_LATEST).is_file():
-        temporary.mkdir(mode=0o700)
-        return temporary
-    status = _publish.begin(dst, temporary)
-    if status != "ok":
-        raise CheckpointError(f"cannot convert into {dst}: {status}")
-    return temporary
 
 
 def _write_folder(read: Source, dst: Path, *, sharded: bool, progress: bool) -> Path:
@@ -482,43 +218,3 @@ def _copy_private(source: Path, target: Path) -> None:
     with os.fdopen(descriptor, "wb") as out, source.open("rb") as into:
         while chunk := into.read(1 << 20):
             out.write(chunk)
-
-
-def _write_deepspeed(read: Source, dst: Path, *, progress: bool) -> Path:
-    """DeepSpeed's universal layout under ``dst`` (a DeepSpeed ``save_dir``)."""
-    if len(read.optim) > 1:
-        message = (
-            f"the source holds {len(read.optim)} optimizers ({sorted(read.optim)}); a DeepSpeed "
-            "engine has one: convert to 'full' or 'sharded' instead"
-        )
-        raise CheckpointError(message)
-    optim = next(iter(read.optim.values()), None)
-    ds = read.deepspeed
-    files = list(
-        ds_offline.universal_files(
-            read.model,
-            optim,
-            world_size=read.world_size,
-            global_steps=ds.global_steps if ds is not None else None,
-            lr_scheduler=ds.lr_scheduler if ds is not None else None,
-        )
-    )
-    temporary = _begin(dst, deepspeed=True)
-    bar = Progress("writing", sum(_nbytes(obj) for _, obj in files), enabled=progress)
-    try:
-        for relative, obj in files:
-            path = temporary / relative
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if isinstance(obj, str):
-                path.write_text(obj)
-                path.chmod(0o600)
-            else:
-                save_tensor_file(obj, path)
-            bar.advance(_nbytes(obj))
-        _publish.finish(temporary, dst)
-    except BaseException:
-        _publish.abandon(temporary)
-        raise
-    finally:
-        bar.close()
-    return dst
