@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import gc
 import os
-import socket
-import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as torch_dist
-from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore (not in its stubs)
 
-from .device import get_comm_device
+from ._exit import _teardown_at_exit
+from ._store import _loopback_store
+from ._twin_naming import _check_same_group_name, _members_only_naming
 from .errors import AlreadyInitializedError, LauncherError, NotInitializedError
-from .launcher import LAUNCHERS, LaunchEnv, current_node_key, infer_launcher, read_launch_env
+from .launcher import LAUNCHERS, current_node_key, infer_launcher, read_launch_env
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -149,95 +145,6 @@ def init_dist(
                 os.environ[name] = value
         raise
     _teardown_at_exit()
-
-
-_AT_EXIT: list[bool] = []
-
-
-def _teardown_at_exit() -> None:
-    """Destroy the process group when the interpreter exits, once per process.
-
-    Registered when comm_core is imported, so a group made by
-    ``torch.distributed.init_process_group`` (MMEngine's Runner, a user's script) gets the
-    same teardown; and as early as possible, because ``atexit`` runs its handlers in the
-    reverse order of registration: the handlers a script registers later (a final
-    all-reduce, its own ``destroy_process_group``) run first, while the group exists.
-
-    A process that ends without ``destroy_dist`` left torch's backend threads running into
-    the interpreter's teardown, where their C++ destructors sometimes abort the process
-    ("terminate called without an active exception", SIGABRT: 3 to 5 of 16 torchrun runs
-    of two gloo ranks); destroying the group first joins them.
-    """
-    if not _AT_EXIT:
-        _AT_EXIT.append(True)
-        atexit.register(_destroy_at_exit)
-
-
-def _destroy_at_exit() -> None:
-    if not (torch_dist.is_available() and torch_dist.is_initialized()):
-        return  # no group (never made, or destroyed already): nothing to tear down
-    try:
-        _release_ddp_reducers()
-        destroy_dist()
-    except Exception:  # exiting anyway: a failed teardown must not mask the exit
-        pass
-
-
-def _release_ddp_reducers() -> None:
-    """Free the reducers of DDP models still alive at exit, while the interpreter is whole.
-
-    A DDP model a script keeps to its end (a global) was freed during the interpreter's
-    own teardown, its reducer after the process group, and aborted the process in 5 of 10
-    torchrun runs of a 3-step DDP loop; freed here first, it did not in 16 of 16.
-    """
-    ddp_module = sys.modules.get("torch.nn.parallel.distributed")
-    ddp_type = getattr(ddp_module, "DistributedDataParallel", None)
-    if ddp_type is None:
-        return
-    for obj in gc.get_objects():
-        if ddp_type in type(obj).__mro__:  # not isinstance: no __class__ of a proxy is read
-            obj.__dict__.pop("reducer", None)
-    gc.collect()
-
-
-_LOOPBACK_NAMES = ("localhost", "::1")
-
-
-def _is_loopback(host: str | None) -> bool:
-    return host is not None and (host.startswith("127.") or host in _LOOPBACK_NAMES)
-
-
-def _loopback_store(launch: LaunchEnv, timeout: float) -> TCPStore | None:
-    """The rendezvous store on 127.0.0.1, when every rank runs here; None otherwise.
-
-    torch's own store listens on every interface. Under torchrun the agent has created the
-    store already (``TORCHELASTIC_USE_AGENT_STORE``) and the ranks only connect to it.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        return None
-    all_here = launch.local_world_size is not None and launch.local_world_size == launch.world_size
-    if not (all_here or _is_loopback(launch.master_addr)):
-        return None
-    port = int(launch.master_port or 0)
-    wait = timedelta(seconds=timeout)
-    if launch.rank != 0:
-        return TCPStore("127.0.0.1", port, launch.world_size, False, wait)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen(max(128, launch.world_size))
-    except OSError as exc:
-        listener.close()
-        message = (
-            f"init_dist: rank 0 cannot listen on 127.0.0.1:{port} for the rendezvous "
-            f"({exc}). Another job may use the port: set MASTER_PORT (or port=) to a free one."
-        )
-        raise LauncherError(message) from exc
-    # the store takes the listening socket over; it closes it when it is destroyed
-    return TCPStore(
-        "127.0.0.1", port, launch.world_size, True, wait, master_listen_fd=listener.detach()
-    )
 
 
 def _default_timeout(backend: str) -> float:
@@ -465,67 +372,6 @@ def get_cpu_group(
                 )
         twins[ranks] = twin
     return twin
-
-
-# Added to torch's group counter while a twin is made by its members only: the twin's name
-# (salted with the counter from torch 2.14 on) then lies apart from the names of the groups
-# every rank creates.
-_TWIN_COUNT_OFFSET = 1 << 40
-
-
-@contextlib.contextmanager
-def _members_only_naming() -> Iterator[None]:
-    """Leave torch's group counter as it was around the creation of a members-only group.
-
-    torch names a group created with local synchronisation after its ranks and a salt: the
-    number of groups the creating rank knows up to torch 2.13, the group counter from torch
-    2.14 on. torch 2.14 also advances that counter for such a group, on its members only;
-    the next group every rank creates (named after the counter) then gets one name on the
-    members and another on the others, and ``new_group`` waits under both names until the
-    timeout. The counter is restored afterwards, so making a twin leaves the numbering of
-    every rank's groups as it was; the twin is named from the counter plus an offset, apart
-    from every name the counter gives.
-    """
-    world = torch_dist.distributed_c10d._world
-    count = world.group_count
-    world.group_count = count + _TWIN_COUNT_OFFSET
-    try:
-        yield
-    finally:
-        world.group_count = count
-
-
-def _check_same_group_name(group: torch_dist.ProcessGroup | None, ranks: tuple[int, ...]) -> None:
-    """Raise on every member when the members would give the twin different names.
-
-    The name torch gives a group created with local synchronisation comes from its ranks
-    and a count of the creating rank (``_members_only_naming``); members that disagree on it
-    would wait for each other under different names until the timeout. The members compare
-    the names (a digest of each) before creating the twin.
-    """
-
-    c10d = torch_dist.distributed_c10d
-    name = str(c10d._hash_ranks_to_str(list(ranks)))
-    known = len(c10d._world.pg_names)
-    made = c10d._world.group_count - _TWIN_COUNT_OFFSET
-    mine = torch.tensor(
-        [int(name[:15], 16), known, made], dtype=torch.int64, device=get_comm_device(group)
-    )
-    rows = [torch.zeros_like(mine) for _ in ranks]
-    torch_dist.all_gather(rows, mine, group=group)
-    table = [[int(v) for v in row.tolist()] for row in rows]
-    if len({row[0] for row in table}) > 1:
-        listed = ", ".join(
-            f"rank {r}: {row[1]} known, group counter {row[2]}" for r, row in zip(ranks, table)
-        )
-        message = (
-            f"get_cpu_group: the members of group {list(ranks)} know different process "
-            f"groups ({listed}), so torch would give their CPU twin different names "
-            "and they would wait for each other. Create the groups, and call collect_results "
-            "or get_cpu_group on them, in the same order on every member; or call "
-            "get_cpu_group(group) on every member right after creating the group."
-        )
-        raise ValueError(message)
 
 
 _teardown_at_exit()  # at import: see its docstring for why this early
