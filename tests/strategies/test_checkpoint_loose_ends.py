@@ -61,6 +61,18 @@ def saved_one_group(root: Path, sharded: bool) -> tuple[Path, torch.nn.Module, A
     return path, model, optimizer
 
 
+def saved_two_groups(root: Path, sharded: bool) -> tuple[Path, torch.nn.Sequential, Any]:
+    """A checkpoint of ``two_layers`` after one step of AdamW with one group per layer."""
+    model = two_layers()
+    optimizer = grouped(model, (0, 1), (0.1, 0.01))
+    one_step(model, optimizer, 1)
+    path = root / "two_groups"
+    ck.save_checkpoint(
+        path, model=model, strategy="single", optim_wrapper=optimizer, sharded=sharded
+    )
+    return path, model, optimizer
+
+
 # ---- 1. param groups
 
 
@@ -109,13 +121,7 @@ def test_strict_false_loads_the_group_that_fits_and_keeps_the_other_hyperparamet
 
 
 def test_parameters_in_another_group_are_refused(tmp_path: Path, sharded: bool) -> None:
-    model = two_layers()
-    optimizer = grouped(model, (0, 1), (0.1, 0.01))
-    one_step(model, optimizer, 1)
-    path = tmp_path / "two_groups"
-    ck.save_checkpoint(
-        path, model=model, strategy="single", optim_wrapper=optimizer, sharded=sharded
-    )
+    path, _, _ = saved_two_groups(tmp_path, sharded)
     target = two_layers()
     swapped = grouped(target, (1, 0), (0.3, 0.03))
     with pytest.raises(CheckpointError) as caught:
@@ -130,13 +136,7 @@ def test_parameters_in_another_group_are_refused(tmp_path: Path, sharded: bool) 
 
 
 def test_the_same_groups_resume_exactly(tmp_path: Path, sharded: bool) -> None:
-    model = two_layers()
-    optimizer = grouped(model, (0, 1), (0.1, 0.01))
-    one_step(model, optimizer, 1)
-    path = tmp_path / "two_groups"
-    ck.save_checkpoint(
-        path, model=model, strategy="single", optim_wrapper=optimizer, sharded=sharded
-    )
+    path, model, optimizer = saved_two_groups(tmp_path, sharded)
     target = two_layers()
     resumed = grouped(target, (0, 1), (0.7, 0.07))
     ck.load_checkpoint(path, model=target, optim_wrapper=resumed)

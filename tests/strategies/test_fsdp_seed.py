@@ -18,7 +18,8 @@ import torch
 
 from comm_strategies import build_strategy
 from tests.helpers import full_params, max_diff
-from tests.wrappers.net import Net, batch, global_batch
+from tests.strategies.seed_helpers import one_process_adamw
+from tests.wrappers.net import Net, batch
 
 TOLERANCE = 1e-5
 STEPS = 2
@@ -40,13 +41,7 @@ def one_process_model() -> NetWithBuffer:
 
 def one_process_trained(world: int) -> dict[str, torch.Tensor]:
     """Plain torch, one process, each step on the batches of every rank."""
-    model = one_process_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    for step in range(STEPS):
-        model(*global_batch(step, 0, world), mode="loss")["loss"].backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return full_params(model)
+    return one_process_adamw(one_process_model, world, STEPS)
 
 
 def buffers(model: Any) -> dict[str, torch.Tensor]:

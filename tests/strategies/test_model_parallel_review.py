@@ -13,6 +13,7 @@ from torch import nn
 
 from comm_strategies import build_strategy
 from tests.helpers import full_params, max_diff
+from tests.strategies.seed_helpers import one_process_adamw
 from tests.wrappers.net import Net, batch, global_batch, make_net
 
 TOLERANCE = 1e-5
@@ -165,16 +166,6 @@ MODELS: dict[str, tuple[Any, Any]] = {
 }
 
 
-def one_process_adamw(reference: Any, world: int) -> dict[str, torch.Tensor]:
-    model = reference()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    for step in range(STEPS):
-        model(*global_batch(step, 0, world), mode="loss")["loss"].backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return full_params(model)
-
-
 def train_against_one_process(model_kind: str, options: dict[str, Any]) -> dict[str, Any]:
     """Prepare, train with ``train_step``; the difference to one process and what it saw."""
     import comm_collectives as dist
@@ -190,7 +181,7 @@ def train_against_one_process(model_kind: str, options: dict[str, Any]) -> dict[
     for step in range(STEPS):
         model.train_step(batch(step, 0, rank), optim)
     return {
-        "difference": max_diff(full_params(model), one_process_adamw(reference, world)),
+        "difference": max_diff(full_params(model), one_process_adamw(reference, world, STEPS)),
         "wrapper": type(model).__name__,
         "draws": draws,
     }
