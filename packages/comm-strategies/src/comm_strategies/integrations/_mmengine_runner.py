@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections import OrderedDict
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -19,7 +18,6 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
-import comm_collectives as dist
 from comm_wrappers import (
     MMDistributedDataParallel,
     MMFullyShardedDataParallel,
@@ -28,7 +26,22 @@ from comm_wrappers import (
     register_model_wrapper,
 )
 
+from ._mmengine_full_state import (
+    _add_saved_group_keys,
+    _GatheredModel,
+    _is_full_optimizer_state,
+    _sharded_root,
+    _strip_module,
+    _tensors_to_cpu,
+    _without_child_wrappers,
+)
 from ._mmengine_state import decode_message_hub, encode_message_hub, plain
+from ._mmengine_wrappers import (
+    CommDistributedDataParallel,
+    CommFullyShardedDataParallel,
+    CommFullyShardedDataParallel2,
+    CommSeparateDistributedDataParallel,
+)
 
 __all__ = [
     "CommDistributedDataParallel",
@@ -39,125 +52,6 @@ __all__ = [
     "comm_wrappers_in_use",
     "use_comm_wrappers",
 ]
-
-
-def _module_on_cpu(module: nn.Module) -> bool:
-    for parameter in module.parameters():
-        return parameter.device.type == "cpu"
-    for buffer in module.buffers():
-        return buffer.device.type == "cpu"
-    return True
-
-
-def _without_cpu_device_ids(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Drop ``device_ids`` / ``output_device`` for a module on the CPU.
-
-    MMEngine's ``Runner`` passes ``device_ids=[LOCAL_RANK]`` to every DDP subclass it
-    builds, which torch refuses for a CPU module; a CPU module takes none.
-    """
-    if _module_on_cpu(module):
-        kwargs = dict(kwargs)
-        kwargs.pop("device_ids", None)
-        kwargs.pop("output_device", None)
-        kwargs["device_ids"] = None
-    return kwargs
-
-
-class CommDistributedDataParallel(MMDistributedDataParallel):
-    """comm's `MMDistributedDataParallel` as MMEngine's ``Runner`` builds it.
-
-    The same wrapper; ``device_ids`` (which the runner passes as ``[LOCAL_RANK]``) is
-    dropped for a module on the CPU, so a config runs under gloo.
-
-    Args:
-        module: The model.
-        detect_anomalous_params: See `MMDistributedDataParallel`.
-        **ddp_kwargs: ``DistributedDataParallel`` keywords.
-    """
-
-    def __init__(
-        self, module: nn.Module, detect_anomalous_params: bool = False, **ddp_kwargs: Any
-    ) -> None:
-        super().__init__(
-            module,
-            detect_anomalous_params=detect_anomalous_params,
-            **_without_cpu_device_ids(module, ddp_kwargs),
-        )
-
-
-class CommSeparateDistributedDataParallel(MMSeparateDistributedDataParallel):
-    """comm's `MMSeparateDistributedDataParallel` as MMEngine's ``Runner`` builds it.
-
-    ``device_ids`` is dropped for a module on the CPU (each child's DDP takes none there).
-
-    Args:
-        module: The model; its direct children are wrapped.
-        **kwargs: The keywords of `MMSeparateDistributedDataParallel` (``broadcast_buffers``,
-            ``find_unused_parameters``, other DDP keywords).
-    """
-
-    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
-        if _module_on_cpu(module):
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("device_ids", "output_device")}
-        super().__init__(module, **kwargs)
-
-
-def _init_before_sharding(module: nn.Module) -> None:
-    """Run the model's ``init_weights`` and make rank 0's values everyone's, before sharding.
-
-    The ``Runner`` calls ``init_weights`` after wrapping and then broadcasts each tensor of
-    ``model.module.state_dict()``: on shards of different sizes per rank. `CommRunnerHook`
-    skips that step for sharded wrappers; it happens here instead, on the whole model.
-    """
-    init = getattr(module, "init_weights", None)
-    if callable(init) and not getattr(module, "is_init", False):
-        init()
-    for tensor in [*module.parameters(), *module.buffers()]:
-        with torch.no_grad():
-            dist.broadcast(tensor, src=0)
-
-
-class CommFullyShardedDataParallel2(MMFullyShardedDataParallel2):
-    """comm's FSDP2 wrapper (`MMFullyShardedDataParallel2`) registered for the ``Runner``.
-
-    Built by ``dict(type="CommFullyShardedDataParallel", fsdp_version=2, ...)``. The
-    model's ``init_weights`` runs before sharding, and rank 0's values are broadcast.
-    """
-
-    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
-        _init_before_sharding(module)
-        super().__init__(module, **kwargs)
-
-
-class CommFullyShardedDataParallel(MMFullyShardedDataParallel):
-    """comm's FSDP for MMEngine's ``Runner``: FSDP1, or FSDP2 with ``fsdp_version=2``.
-
-    ``fsdp_version=1`` (the default) builds this class (comm's `MMFullyShardedDataParallel`,
-    torch's ``FullyShardedDataParallel``); ``fsdp_version=2`` builds a
-    `CommFullyShardedDataParallel2` (``fully_shard``), with the same option forms. The
-    model's ``init_weights`` runs before sharding, and rank 0's values are broadcast.
-
-    Args:
-        module: The model.
-        fsdp_version: 1 or 2.
-        **kwargs: The chosen wrapper's options (``sharding_strategy``,
-            ``auto_wrap_policy``, ``mixed_precision``, ...).
-
-    Raises:
-        ValueError: ``fsdp_version`` is neither 1 nor 2.
-    """
-
-    def __new__(cls, module: nn.Module, fsdp_version: int = 1, **kwargs: Any) -> Any:
-        if fsdp_version not in (1, 2) or isinstance(fsdp_version, bool):
-            message = f"fsdp_version must be 1 or 2, got {fsdp_version!r}"
-            raise ValueError(message)
-        if fsdp_version == 2:
-            return CommFullyShardedDataParallel2(module, **kwargs)
-        return super().__new__(cls)
-
-    def __init__(self, module: nn.Module, fsdp_version: int = 1, **kwargs: Any) -> None:
-        _init_before_sharding(module)
-        super().__init__(module, **kwargs)
 
 
 _CLASSES: dict[str, type] = {
@@ -325,28 +219,6 @@ def _comm_init_dist(
     init_dist(launcher, backend, timeout=timeout, **kwargs)
 
 
-def _sharded_root(model: Any) -> nn.Module | None:
-    """The module torch's state-dict API takes for a sharded wrapper; None for others."""
-    if isinstance(model, FullyShardedDataParallel):
-        return model
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return None
-    for candidate in (model, getattr(model, "module", None)):
-        if isinstance(candidate, FSDPModule):
-            return candidate  # type: ignore[return-value]
-    return None
-
-
-def _is_full_optimizer_state(state: Any) -> bool:
-    """Whether an optimizer state names its parameters (torch's full state) instead of ids."""
-    groups = state.get("param_groups") if isinstance(state, Mapping) else None
-    if not isinstance(groups, list) or not groups:
-        return False
-    return all(isinstance(name, str) for group in groups for name in group.get("params", []))
-
-
 class CommRunnerHook(Hook):  # type: ignore[misc]
     """What comm's wrappers need from MMEngine's classic ``Runner``, beside ``CheckpointHook``.
 
@@ -501,57 +373,3 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
         set_optimizer_state_dict(root, optim_wrapper.optimizer, optim_state, options=options)
         # The runner's resume loads ``optimizer`` next: this rank's state, as loaded.
         checkpoint["optimizer"] = optim_wrapper.state_dict()
-
-
-def _add_saved_group_keys(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Give a just-built optimizer's groups the keys the saved run's schedulers added
-    (``initial_lr``): torch's loader needs the same keys in both, and the schedulers
-    built next keep a value already set."""
-    for group, saved in zip(optimizer.param_groups, state.get("param_groups", [])):
-        for key, value in saved.items():
-            if key != "params":
-                group.setdefault(key, value)
-
-
-def _without_child_wrappers(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
-    prefixes = {
-        f"{name}.module.": f"{name}."
-        for name, child in model.named_children()
-        if isinstance(child, DistributedDataParallel)
-    }
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        for wrapped, clean in prefixes.items():
-            if key.startswith(wrapped):
-                key = clean + key[len(wrapped) :]
-                break
-        out[key] = value
-    return out
-
-
-class _GatheredModel:
-    """Stands for a sharded model during the runner's rank-0 save: its full state."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self._state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        """The state gathered on every rank before the save (as ``Module.state_dict``)."""
-        state: Any = OrderedDict(self._state)
-        state._metadata = OrderedDict()  # MMEngine's weights_to_cpu reads it
-        return state  # type: ignore[no-any-return]
-
-
-def _strip_module(key: str) -> str:
-    return key[len("module.") :] if key.startswith("module.") else key
-
-
-def _tensors_to_cpu(value: Any) -> Any:
-    """Every tensor in a nested state moved to the CPU (containers rebuilt)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, Mapping):
-        return {key: _tensors_to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_tensors_to_cpu(item) for item in value)
-    return value
