@@ -18,10 +18,9 @@ import torch.distributed as torch_dist
 from torch import nn
 
 import comm_collectives as dist
-from comm_wrappers.backends import rank_device
 
-from . import checkpoint
 from ._activation import apply_activation_checkpointing, coerce_activation_checkpointing
+from ._broadcast import broadcast_module_state as broadcast_module_state
 from ._build import (
     build_optim_wrapper,
     build_schedulers,
@@ -30,6 +29,7 @@ from ._build import (
     rebuild_over,
     trainable_names,
 )
+from ._checkpointing import CheckpointMixin
 from .checkpoint import _async as checkpoint_async
 
 __all__ = ["Strategy"]
@@ -53,7 +53,7 @@ class SetupContext:
     compile: bool | Mapping[str, Any]
 
 
-class Strategy:
+class Strategy(CheckpointMixin):
     """The base of every strategy: MMEngine's ``BaseStrategy`` surface, without side effects.
 
     A strategy turns a model (and an optimizer and schedulers, built or as config dicts)
@@ -355,191 +355,6 @@ class Strategy:
         """Build the scheduler configs over ``optimizer``; built schedulers pass through."""
         return build_schedulers(config, optimizer)
 
-    # ------------------------------------------------------------------ checkpoints
-    def _require_prepared(self, what: str) -> None:
-        if not self._prepared:
-            message = f"{type(self).__name__}.{what} needs a prepared model: call prepare first"
-            raise RuntimeError(message)
-
-    def save_checkpoint(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        save_optimizer: bool = True,
-        save_param_scheduler: bool = True,
-        extra: Mapping[str, Any] | None = None,
-        sharded: bool | None = None,
-        timeout: float | None = None,
-        keep_last: int | None = None,
-    ) -> Path:
-        """Save a checkpoint directory (collective: every rank calls it).
-
-        Args:
-            path: The checkpoint directory; relative paths are under `work_dir` when set.
-            save_optimizer: Include the optimizer state.
-            save_param_scheduler: Include the schedulers.
-            extra: User state (step, epoch, EMA, ...) given back by `resume`.
-            sharded: None for the strategy's natural format.
-            timeout: Seconds a rank waits for the others to enter the call; None:
-                `COMM_CHECKPOINT_TIMEOUT`, or 300.
-            keep_last: Once published, keep only the newest N complete checkpoints in the
-                directory's parent; None: the strategy's ``keep_last`` (None keeps all).
-
-        Returns:
-            The checkpoint directory.
-        """
-        self._require_prepared("save_checkpoint")
-        return Path(
-            checkpoint.save_checkpoint(
-                self._resolve(path),
-                **self._save_options(save_optimizer, save_param_scheduler, extra),
-                sharded=sharded,
-                timeout=timeout,
-                keep_last=self.keep_last if keep_last is None else keep_last,
-            )
-        )
-
-    def save_checkpoint_async(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        save_optimizer: bool = True,
-        save_param_scheduler: bool = True,
-        extra: Mapping[str, Any] | None = None,
-        sharded: bool | None = None,
-        timeout: float | None = None,
-        keep_last: int | None = None,
-    ) -> checkpoint.SaveHandle:
-        """`save_checkpoint` with the files written in the background (collective).
-
-        Returns once the state is copied to the CPU; training may go on. The handle's
-        ``wait()`` returns the checkpoint directory (or raises on every rank when any rank
-        failed) and ``done()`` says whether it is written. The manifest and the rename
-        happen once every rank finished; the next save waits for this one. The arguments
-        are `save_checkpoint`'s.
-        """
-        self._require_prepared("save_checkpoint_async")
-        handle: checkpoint.SaveHandle = checkpoint.save_checkpoint(
-            self._resolve(path),
-            **self._save_options(save_optimizer, save_param_scheduler, extra),
-            sharded=sharded,
-            timeout=timeout,
-            keep_last=self.keep_last if keep_last is None else keep_last,
-            async_save=True,
-        )
-        return handle
-
-    def _save_options(
-        self, save_optimizer: bool, save_param_scheduler: bool, extra: Mapping[str, Any] | None
-    ) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "optim_wrapper": self.optim_wrapper if save_optimizer else None,
-            "schedulers": self.param_schedulers if save_param_scheduler else (),
-            "strategy": self.name,
-            "extra": None if extra is None else dict(extra),
-        }
-
-    def load_checkpoint(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        strict: bool = True,
-        allow_unsafe_pickle: bool = False,
-        timeout: float | None = None,
-    ) -> dict[str, Any]:
-        """Load the model's weights only, from any checkpoint of the contract or a plain .pth.
-
-        Collective. Returns the checkpoint's user state (``extra``). ``timeout``: seconds a
-        rank waits for the others to enter the call (None: `COMM_CHECKPOINT_TIMEOUT`, or 300).
-        """
-        self._require_prepared("load_checkpoint")
-        weights_only = {"load_optimizer": False, "load_schedulers": False, "load_rng": False}
-        return self._load(
-            self._resolve(path),
-            strict=strict,
-            allow_unsafe_pickle=allow_unsafe_pickle,
-            timeout=timeout,
-            **weights_only,
-        )
-
-    def resume(
-        self,
-        path: str | os.PathLike[str] | None = None,
-        *,
-        resume_optimizer: bool = True,
-        resume_param_scheduler: bool = True,
-        load_rng: bool = True,
-        timeout: float | None = None,
-        allow_unsafe_pickle: bool = False,
-    ) -> dict[str, Any]:
-        """Restore model, optimizer, schedulers and RNG states (collective).
-
-        Args:
-            path: The checkpoint; None resumes from the latest complete one in `work_dir`.
-            resume_optimizer: Restore the optimizer state.
-            resume_param_scheduler: Restore the schedulers.
-            load_rng: Restore each rank's random generators.
-            allow_unsafe_pickle: Allow formats that need full unpickling (DeepSpeed's own).
-            timeout: Seconds a rank waits for the others to enter the call; None:
-                `COMM_CHECKPOINT_TIMEOUT`, or 300.
-
-        Returns:
-            The checkpoint's user state (``extra``).
-        """
-        self._require_prepared("resume")
-        if path is None:
-            if self._work_dir is None:
-                message = "resume() without a path needs the strategy's work_dir"
-                raise ValueError(message)
-            latest = checkpoint.find_latest(self._work_dir)
-            if latest is None:
-                message = f"resume(): no complete checkpoint under {self._work_dir}"
-                raise FileNotFoundError(message)
-            source = Path(latest)  # already under work_dir (relative when work_dir is)
-        else:
-            source = self._resolve(path)
-        return self._load(
-            source,
-            optim_wrapper=self.optim_wrapper,
-            schedulers=self.param_schedulers,
-            load_optimizer=resume_optimizer,
-            load_schedulers=resume_param_scheduler,
-            load_rng=load_rng,
-            allow_unsafe_pickle=allow_unsafe_pickle,
-            timeout=timeout,
-        )
-
-    def _load(self, source: Path, **options: Any) -> dict[str, Any]:
-        """`load_checkpoint` of the checkpoint package into the prepared model."""
-        return dict(checkpoint.load_checkpoint(source, model=self.model, **options))
-
-    def model_state_dict(self) -> dict[str, Any]:
-        """The full, unprefixed model state on the CPU, on every rank (collective)."""
-        self._require_prepared("model_state_dict")
-        return dict(checkpoint.full_model_state_dict(self.model))
-
-    def optim_state_dict(self) -> dict[str, Any]:
-        """The full optimizer state keyed by parameter names (collective)."""
-        self._require_prepared("optim_state_dict")
-        return dict(checkpoint.full_optim_state_dict(self.model, self.optim_wrapper))
-
-    def load_model_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Load a full model state (unprefixed names) into the prepared model (collective)."""
-        self._require_prepared("load_model_state_dict")
-        checkpoint.load_full_model_state_dict(self.model, dict(state_dict), strict=strict)
-
-    def load_optim_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a full optimizer state (from `optim_state_dict`) (collective)."""
-        self._require_prepared("load_optim_state_dict")
-        checkpoint.load_full_optim_state_dict(self.model, self.optim_wrapper, dict(state_dict))
-
-    def _resolve(self, path: str | os.PathLike[str]) -> Path:
-        resolved = Path(path)
-        if not resolved.is_absolute() and self._work_dir is not None:
-            resolved = self._work_dir / resolved
-        return resolved
-
     def __repr__(self) -> str:
         state = "prepared" if self._prepared else "not prepared"
         return f"{type(self).__name__}(name={self.name!r}, {state})"
@@ -550,22 +365,3 @@ def _built_schedulers(config: Any) -> list[Any]:
         return []
     items = list(config) if isinstance(config, (list, tuple)) else [config]
     return [item for item in items if not isinstance(item, Mapping)]
-
-
-def broadcast_module_state(module: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers of ``module`` (collective).
-
-    Tensors on the meta device (initialised later, on each rank) are skipped; a tensor on
-    another device than the group communicates on goes through a copy there.
-    """
-    device = rank_device()
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if tensor.is_meta:
-                continue
-            if tensor.device == device:
-                torch_dist.broadcast(tensor.data, src=0)
-            else:
-                staged = tensor.data.to(device)
-                torch_dist.broadcast(staged, src=0)
-                tensor.data.copy_(staged)
