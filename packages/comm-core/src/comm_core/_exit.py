@@ -33,11 +33,11 @@ def _teardown_at_exit() -> None:
 def _destroy_at_exit() -> None:
     if not (torch_dist.is_available() and torch_dist.is_initialized()):
         return  # no group (never made, or destroyed already): nothing to tear down
-    from .process_group import destroy_dist  # imported here: process_group imports this module
-
     try:
         _release_ddp_reducers()
-        destroy_dist()
+        # torch's own call, every group at once (destroy_dist also resets comm's Python
+        # bookkeeping of local groups, which no longer matters at exit)
+        torch_dist.destroy_process_group()
     except Exception:  # exiting anyway: a failed teardown must not mask the exit
         pass
 
