@@ -69,9 +69,11 @@ def test_inline_capacity_adapts_the_same_on_every_rank(
 
 
 # The long path: the handshake, the vote on the local work after it, the data transfer; a
-# reduction moves its data in two steps (all-to-all, then all-gather of the reduced chunks);
-# sync_random_seed has no local work after the handshake.
-_LONG = {"all_reduce": 4, "all_reduce_dict": 4, "sync_random_seed": 2}
+# reduction moves its data in two steps (all-to-all, then all-gather of the reduced chunks).
+# all_reduce and broadcast stage their data before the handshake (a tensor's size tells
+# every rank that it takes the long path), so no vote follows; sync_random_seed has no
+# local work after the handshake.
+_LONG = {"all_reduce": 3, "broadcast": 2, "all_reduce_dict": 4, "sync_random_seed": 2}
 
 
 def collectives_per_call() -> dict[str, int]:

@@ -27,7 +27,7 @@ from comm_core import (
 )
 
 from ._faults import transport
-from ._route import header_route
+from ._route import gather_rows, header_route
 from ._store import check_timeout
 
 __all__ = ["agree", "failure_of", "gather_and_raise", "raise_everywhere"]
@@ -44,8 +44,8 @@ def agree(
 
     Every rank calls this at the same point, after the work that may fail (writing its
     files, allocating receive buffers, staging data) and before the step that needs all of
-    them to have succeeded. It costs one all-reduce of one word on the CPU side of the group
-    (no device sync under nccl); the failures travel only when some rank failed. The
+    them to have succeeded. It costs one exchange of one word a rank on the CPU side of the
+    group (no device sync under nccl); the failures travel only when some rank failed. The
     collectives call it on their long path before any data moves.
 
     Args:
@@ -80,11 +80,12 @@ def agree(
         return
     route, device = header_route(group)
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int64).to(device)
+    votes = torch.empty(get_world_size(route), dtype=torch.int64, device=device)
     started = time.monotonic()
     with transport(operation, route):
-        work = torch_dist.all_reduce(
-            flag, torch_dist.ReduceOp.MAX, group=route, async_op=timeout is not None
-        )
+        # each rank's vote, where any 1 means a failure (an all-to-all on the CPU: cheaper
+        # in front of a large transfer than gloo's all-reduce, see ``gather_rows``)
+        work = gather_rows(votes, flag, route, async_op=timeout is not None)
         if work is not None and timeout is not None:
             try:
                 work.wait(timeout=timedelta(seconds=timeout))
@@ -93,7 +94,7 @@ def agree(
                     raise  # a lost peer: the transport error names it
                 waited = time.monotonic() - started
                 raise _vote_timeout(operation, route, waited, timeout, exc) from (error or exc)
-    if int(flag.item()):
+    if int(votes.max().item()):
         failure = None if error is None else failure_of(error, route)
         gather_and_raise(operation, failure, error, route)
 

@@ -18,6 +18,7 @@ from comm_core import get_world_size
 from ._capacity import starting_capacity
 from ._faults import transport
 from ._frame import (
+    DEBUG_BIT,
     DEBUG_WORD,
     HEADER_BYTES,
     SIGNIFICANT_WORDS,
@@ -51,7 +52,7 @@ def compact_vote(
     both = vector.tolist()
     high, low = both[: len(words)], [-w for w in both[len(words) :]]
     # a difference, a failure, debug mode
-    if high != low or high[STATUS_WORD] != 0 or high[DEBUG_WORD] != 0:
+    if high != low or high[STATUS_WORD] != 0 or high[DEBUG_WORD] & DEBUG_BIT:
         return None
     peer = decode(0, high + [0] * (WIDTH - len(high)))
     return [dataclasses.replace(peer, rank=rank) for rank in range(get_world_size(group))]

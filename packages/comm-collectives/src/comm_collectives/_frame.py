@@ -19,12 +19,14 @@ import torch
 from comm_core import CollectiveMismatchError
 
 __all__ = [
+    "DEBUG_BIT",
     "DEBUG_WORD",
     "HEADER_BYTES",
     "MAX_DIMS",
     "OPERATIONS",
     "REDUCE_OPS",
     "SIGNIFICANT_WORDS",
+    "STAGED_BIT",
     "STATUS_WORD",
     "VERSION",
     "WIDTH",
@@ -41,11 +43,12 @@ __all__ = [
 
 MAX_DIMS = 16
 # magic and version, op, status, dtype, reduce op, root, ndim, count, signature, inline
-# bytes, debug flag
+# bytes, flags (bit 0: debug mode asked; bit 1: long-path data staged before the handshake)
 _FIELDS = 11
-STATUS_WORD, DEBUG_WORD = 2, 10  # indices of the failure flag and the debug flag
+STATUS_WORD, DEBUG_WORD = 2, 10  # indices of the failure flag and the flags word
+DEBUG_BIT, STAGED_BIT = 1, 2
 SIGNIFICANT_WORDS = _FIELDS + MAX_DIMS  # the words before the padding
-VERSION = 2
+VERSION = 3  # 3: the staged bit of the flags word
 _MAGIC = 0x434F4D4D << 16  # "COMM"
 WIDTH = 32  # words: the fields, MAX_DIMS dims, padding to 256 bytes (payloads 64-aligned)
 HEADER_BYTES = 8 * WIDTH
@@ -130,6 +133,8 @@ class Header:
         signature: Digest of structure that must match (dict keys, parameter layout).
         inline: Bytes this rank wants to send inline (-1: none); set by ``handshake``.
         debug: Whether this rank asked for debug mode; set by ``handshake``.
+        staged: Whether this rank staged its long-path data before the handshake (a
+            staging failure is then its ``error``); see ``_handshake.finish_staging``.
     """
 
     operation: str
@@ -142,6 +147,7 @@ class Header:
     signature: int = 0
     inline: int = -1
     debug: bool = False
+    staged: bool = False
 
     def encode(self) -> list[int]:
         shape = self.shape or ()
@@ -157,7 +163,7 @@ class Header:
             self.count,
             self.signature,
             self.inline,
-            int(self.debug),
+            (DEBUG_BIT if self.debug else 0) | (STAGED_BIT if self.staged else 0),
         ]
         dims = list(shape[:MAX_DIMS]) + [0] * (MAX_DIMS - min(len(shape), MAX_DIMS))
         return words + dims + [0] * (WIDTH - SIGNIFICANT_WORDS)
@@ -206,6 +212,7 @@ class Peer:
     signature: int
     inline: int = -1
     debug: bool = False
+    staged: bool = False
     version: int = VERSION
     payload: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
@@ -233,7 +240,7 @@ def inline_payloads(peers: list[Peer]) -> list[torch.Tensor] | None:
 def decode(rank: int, words: list[int]) -> Peer:
     """The header of ``rank`` from its ``WIDTH`` words (an "unknown" peer for a frame of
     another protocol version, with that version, or -1 for a frame that is not ours)."""
-    magic, op, status, dtype, reduce_op, root, ndim, count, signature, inline, debug = words[
+    magic, op, status, dtype, reduce_op, root, ndim, count, signature, inline, flags = words[
         :_FIELDS
     ]
     version = magic & 0xFFFF if magic >> 16 == _MAGIC >> 16 else -1
@@ -250,7 +257,8 @@ def decode(rank: int, words: list[int]) -> Peer:
         count=count,
         signature=signature,
         inline=inline,
-        debug=bool(debug),
+        debug=bool(flags & DEBUG_BIT),
+        staged=bool(flags & STAGED_BIT),
         version=version,
     )
 

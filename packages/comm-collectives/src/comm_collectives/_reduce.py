@@ -1,7 +1,7 @@
 """Reductions: the op names, the exact reduction of rank rows, and the two paths of moving them.
 
 ``reduce_rows`` reduces every rank's row in rank order (bit-identical on every rank; exact
-integer means). The long path (`prepare_reduction`, `reduce_inplace`) moves a flat buffer
+integer means). The long path (`prepare_reduction`) moves a flat buffer
 with an all-to-all and an all-gather after the handshake; `backend_reduce` is the
 unchecked path, the backend's own all-reduce. The tensor, dict and parameter collectives
 all reduce through here.
@@ -16,21 +16,22 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_world_size
 
-from ._agree import agree
 from ._buffers import empty_bytes
 from ._faults import transport
 from ._frame import REDUCE_OPS, Peer, inline_payloads
 from ._modes import local_fault
-from ._route import all_gather_flat
+from ._route import gather_rows
 
 __all__ = [
+    "BackendReduction",
+    "Reduction",
     "backend_reduce",
     "check_op_dtype",
     "inline_rows",
     "prepare_reduction",
-    "reduce_inplace",
     "reduce_op_name",
     "reduce_rows",
+    "stage_backend_reduce",
     "start_backend_reduce",
     "write_back",
 ]
@@ -190,7 +191,7 @@ def inline_rows(peers: list[Peer], dtype: torch.dtype) -> list[torch.Tensor] | N
     return None if payloads is None else [p.view(dtype) for p in payloads]
 
 
-class _Reduction:
+class Reduction:
     """The long path of a reduction, prepared (every buffer allocated) before any data moves.
 
     Each rank owns one chunk of the flat data: an all-to-all hands every rank the others'
@@ -261,20 +262,14 @@ class _Reduction:
 def _gather_chunks(
     out: torch.Tensor, mine: torch.Tensor, group: torch_dist.ProcessGroup | None
 ) -> None:
-    """Every rank's reduced chunk ``mine`` into ``out``, in rank order.
-
-    On the CPU (gloo) this is an all-to-all of ``mine`` repeated once per rank: gloo's
-    all-gather of 64 MiB took about 150 ms on two loopback ranks where an all-to-all of
-    the same bytes took about 20 ms (35 ms with the copy). Other backends all-gather.
-    """
-    if out.device.type != "cpu":
-        all_gather_flat(out.view(torch.uint8), mine.view(torch.uint8), group=group)
-        return
-    world = out.numel() // mine.numel()
-    copies = _empty(out.numel(), out.dtype, out.device).view(world, -1)
-    copies.copy_(mine.view(1, -1).expand(world, -1))
-    torch_dist.all_to_all_single(
-        out.view(torch.uint8), copies.view(-1).view(torch.uint8), group=group
+    """Every rank's reduced chunk ``mine`` into ``out``, in rank order (``gather_rows``; the
+    CPU's copies of ``mine`` in a cached buffer)."""
+    copies = _empty(out.numel(), out.dtype, out.device) if out.device.type == "cpu" else None
+    gather_rows(
+        out.view(torch.uint8),
+        mine.view(torch.uint8),
+        group,
+        copies=None if copies is None else copies.view(torch.uint8),
     )
 
 
@@ -308,59 +303,88 @@ def start_backend_reduce(
     operation: str,
     dst: int = -1,
     *,
-    vote: Callable[[BaseException | None], None] | None = None,
     inplace: bool = False,
 ) -> tuple[torch_dist.Work, Callable[[], torch.Tensor]]:
     """Start the backend's own all-reduce of ``parts`` (or its reduce to ``dst``, a rank of
     the group's global numbering, when ``dst >= 0``); return its handle and the function
     that, once it has finished, returns the reduced flat tensor (integer means made exact,
-    raising a ValueError when one is not).
+    raising a ValueError when one is not). The unchecked path: staging and start in one.
+    """
+    return stage_backend_reduce(parts, op, group, operation, inplace=inplace).start(dst)
 
-    ``vote`` (the checked paths pass [`agree`][comm_collectives.agree]) is called with the
-    failure of staging the data, or None, before any data moves. With ``inplace`` a single
+
+def stage_backend_reduce(
+    parts: list[torch.Tensor],
+    op: str,
+    group: torch_dist.ProcessGroup | None,
+    operation: str,
+    *,
+    inplace: bool = False,
+    checked: bool = False,
+) -> BackendReduction:
+    """The data of the backend's own reduction of ``parts``, staged and ready to start.
+
+    It may raise (a device move, an allocation): the checked paths (``checked``) stage
+    before the handshake and send the failure in their header. With ``inplace`` a single
     part already contiguous on the communication device in its own dtype is reduced in its
     own memory (as torch does); the result is then a view of it.
     """
-    dtype = parts[0].dtype
-    check_op_dtype(dtype, op, operation)
-    device = get_comm_device(group)
-    exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
-    wire = torch.int64 if exact else torch.uint8 if dtype == torch.bool else dtype
-    error: BaseException | None = None
-    work = torch.empty(0)
-    try:
-        if vote is not None:
-            local_fault("staging", operation)
+    if checked:
+        local_fault("staging", operation)
+    return BackendReduction(parts, op, group, operation, inplace)
+
+
+class BackendReduction:
+    """A flat buffer staged for the backend's own all-reduce or reduce (see
+    ``stage_backend_reduce``); ``start`` moves the data."""
+
+    def __init__(
+        self,
+        parts: list[torch.Tensor],
+        op: str,
+        group: torch_dist.ProcessGroup | None,
+        operation: str,
+        inplace: bool,
+    ) -> None:
+        dtype = parts[0].dtype
+        check_op_dtype(dtype, op, operation)
+        device = get_comm_device(group)
+        self.exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
+        self.wire = torch.int64 if self.exact else torch.uint8 if dtype == torch.bool else dtype
+        self.dtype, self.op, self.group, self.operation = dtype, op, group, operation
         first = parts[0]
-        if inplace and not exact and len(parts) == 1 and _own_buffer(first, device, wire):
-            work = first.detach().view(-1)
+        if inplace and not self.exact and len(parts) == 1 and _own_buffer(first, device, self.wire):
+            self.work = first.detach().view(-1)
         else:
-            flats = [p.detach().reshape(-1).to(device=device, dtype=wire) for p in parts]
+            flats = [p.detach().reshape(-1).to(device=device, dtype=self.wire) for p in parts]
             if len(flats) == 1:  # a cached buffer: no page faults on a fresh allocation
-                work = _empty(flats[0].numel(), wire, device).copy_(flats[0])
+                self.work = _empty(flats[0].numel(), self.wire, device).copy_(flats[0])
             else:
-                work = torch.cat(flats)
-    except Exception as exc:
-        if vote is None:
-            raise
-        error = exc
-    if vote is not None:
-        vote(error)
-    with transport(operation, group):
-        if dst >= 0:
-            handle = torch_dist.reduce(work, dst, _TORCH_OPS[op], group=group, async_op=True)
-        else:
-            handle = torch_dist.all_reduce(work, _TORCH_OPS[op], group=group, async_op=True)
-    assert handle is not None
+                self.work = torch.cat(flats)
 
-    def finish() -> torch.Tensor:
-        if exact:
-            return _exact_mean(work, get_world_size(group), dtype, operation)
-        if op == "mean":
-            work.div_(get_world_size(group))
-        return work if wire == dtype else work.to(dtype)
+    def start(self, dst: int = -1) -> tuple[torch_dist.Work, Callable[[], torch.Tensor]]:
+        """Start the reduction (to ``dst``, a global rank, when ``dst >= 0``); return its
+        handle and the function that returns the result once it has finished."""
+        work, group = self.work, self.group
+        with transport(self.operation, group):
+            if dst >= 0:
+                handle = torch_dist.reduce(
+                    work, dst, _TORCH_OPS[self.op], group=group, async_op=True
+                )
+            else:
+                handle = torch_dist.all_reduce(
+                    work, _TORCH_OPS[self.op], group=group, async_op=True
+                )
+        assert handle is not None
 
-    return handle, finish
+        def finish() -> torch.Tensor:
+            if self.exact:
+                return _exact_mean(work, get_world_size(group), self.dtype, self.operation)
+            if self.op == "mean":
+                work.div_(get_world_size(group))
+            return work if self.wire == self.dtype else work.to(self.dtype)
+
+        return handle, finish
 
 
 def _own_buffer(tensor: torch.Tensor, device: torch.device, wire: torch.dtype) -> bool:
@@ -374,36 +398,15 @@ def prepare_reduction(
     operation: str,
     *,
     in_place: bool = False,
-) -> _Reduction:
-    """Allocate the long path of reducing ``parts`` as one flat buffer (see ``_Reduction``).
+) -> Reduction:
+    """Allocate the long path of reducing ``parts`` as one flat buffer (see ``Reduction``).
 
-    It may raise (a device move, an allocation): the caller then passes the error to
-    [`agree`][comm_collectives.agree] before any data moves.
+    It may raise (a device move, an allocation): the caller sends the error in its header
+    (``_handshake.stages_early``) or passes it to [`agree`][comm_collectives.agree], before
+    any data moves.
     """
     local_fault("staging", operation)
-    return _Reduction(parts, op, group, operation, in_place)
-
-
-def reduce_inplace(
-    tensor: torch.Tensor, op: str, group: torch_dist.ProcessGroup | None, operation: str
-) -> None:
-    """Reduce ``tensor`` across ``group`` in place, after the handshake (the caller did it).
-
-    The buffers are prepared first and a second vote ([`agree`][comm_collectives.agree])
-    makes a local failure there raise on every rank. ``mean`` of an integer tensor is exact:
-    the sums are reduced in int64 and the result is stored only when every element divides
-    evenly; otherwise a ValueError (the same on every rank, since every rank holds the same
-    sums) leaves ``tensor`` untouched.
-    """
-    reduction: _Reduction | None = None
-    error: BaseException | None = None
-    try:
-        reduction = prepare_reduction([tensor], op, group, operation, in_place=True)
-    except Exception as exc:
-        error = exc
-    agree(operation, error, group=group)
-    assert reduction is not None
-    write_back(tensor, reduction.run())
+    return Reduction(parts, op, group, operation, in_place)
 
 
 def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:

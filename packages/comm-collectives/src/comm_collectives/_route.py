@@ -14,12 +14,42 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_cpu_group
 
-__all__ = ["all_gather_flat", "header_route", "side_channel", "twins"]
+__all__ = ["all_gather_flat", "gather_rows", "header_route", "side_channel", "twins"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the packages support >= 2.4.
 all_gather_flat = (
     getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
 )
+
+
+def gather_rows(
+    out: torch.Tensor,
+    mine: torch.Tensor,
+    group: torch_dist.ProcessGroup | None,
+    *,
+    async_op: bool = False,
+    copies: torch.Tensor | None = None,
+) -> torch_dist.Work | None:
+    """Every rank's flat ``mine`` into ``out`` (world times its size), in rank order.
+
+    On the CPU this is an all-to-all of ``mine`` repeated once per rank (in ``copies``, a
+    scratch tensor of ``out``'s size and dtype, when given): gloo moves it pairwise, where
+    its all-gather passes the rows along a ring. Measured on two loopback ranks bound to one
+    core each: a 64 MiB all-gather about 150 ms against 35 ms, copy included; a 4 KiB
+    handshake frame in front of a 32 MB reduce adds 1.6 ms as an all-gather, 0.2 ms as an
+    all-to-all. Other devices all-gather (nccl's is the fast one there).
+    """
+    handle: torch_dist.Work | None
+    if out.device.type != "cpu":
+        handle = all_gather_flat(out, mine, group=group, async_op=async_op)
+        return handle
+    world = out.numel() // max(1, mine.numel())
+    if copies is None:
+        copies = torch.empty_like(out)
+    copies.view(world, -1).copy_(mine.view(1, -1).expand(world, -1))
+    handle = torch_dist.all_to_all_single(out, copies, group=group, async_op=async_op)
+    return handle
+
 
 # None: automatic; True forces the CPU route, False keeps the headers on the communication
 # device. The tests run the nccl layout on gloo with True and comm-core's hook that makes

@@ -14,17 +14,17 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_rank, get_world_size
 
-from ._agree import agree
 from ._faults import transport
 from ._frame import Header, Inline
-from ._handshake import handshake
+from ._handshake import finish_staging, handshake, stages_early
 from ._modes import checks_enabled, local_fault
 from ._reduce import (
+    BackendReduction,
     check_op_dtype,
     inline_rows,
     reduce_op_name,
     reduce_rows,
-    start_backend_reduce,
+    stage_backend_reduce,
     write_back,
 )
 from .groups import not_member
@@ -88,8 +88,10 @@ def reduce(
     if not checks_enabled():
         name = reduce_op_name(op)
         _check_root("reduce", dst, group, "dst")
-        return _start(tensor, name, dst, group, async_op, vote=False)
+        unchecked = stage_backend_reduce([tensor], name, group, "reduce", inplace=True)
+        return _start(tensor, unchecked, dst, group, async_op)
     name, error = "", None
+    staged: BackendReduction | None = None
     try:
         name = reduce_op_name(op)
         _check_tensor("reduce", tensor)
@@ -99,6 +101,12 @@ def reduce(
     except Exception as exc:
         error = exc
     ok = error is None
+    payload = Inline.of_tensor(tensor) if ok else None
+    if payload is not None and stages_early(payload, group):
+        try:
+            staged = _stage(tensor, name, group)
+        except Exception as exc:
+            error = exc
     peers = handshake(
         Header(
             "reduce",
@@ -107,11 +115,12 @@ def reduce(
             reduce_op=name or None,
             root=dst if ok else -1,
             shape=tuple(tensor.shape) if ok else None,
+            staged=staged is not None,
         ),
         group,
         same=("dtype", "reduce_op", "root", "shape"),
         hint="reduce needs the same shape, dtype, op and dst on every rank.",
-        payload=Inline.of_tensor(tensor) if ok else None,
+        payload=payload,
         varying=False,
     )
     rows = inline_rows(peers, tensor.dtype)
@@ -119,38 +128,32 @@ def reduce(
         if me == dst:
             write_back(tensor, reduce_rows(torch.stack(rows), name, "reduce"))
         return done
-    return _start(tensor, name, dst, group, async_op, vote=True)
+    staged = finish_staging(peers, group, "reduce", staged, lambda: _stage(tensor, name, group))
+    return _start(tensor, staged, dst, group, async_op)
+
+
+def _stage(
+    tensor: torch.Tensor, name: str, group: torch_dist.ProcessGroup | None
+) -> BackendReduction:
+    """``tensor`` staged for the backend's reduce: every rank reduces in ``tensor``'s own
+    memory when it can, as torch does (the other ranks' tensors are the backend's
+    workspace)."""
+    return stage_backend_reduce([tensor], name, group, "reduce", inplace=True, checked=True)
 
 
 def _start(
     tensor: torch.Tensor,
-    name: str,
+    staged: BackendReduction,
     dst: int,
     group: torch_dist.ProcessGroup | None,
     async_op: bool,
-    *,
-    vote: bool,
 ) -> Work | None:
-    """The backend's reduce to ``dst`` (staged, voted on when ``vote``); the result is
-    written into ``tensor`` on ``dst`` only. Every rank reduces in ``tensor``'s own memory
-    when it can, as torch does (the other ranks' tensors are the backend's workspace)."""
-    me = get_rank(group)
-
-    def agreed(failure: BaseException | None) -> None:
-        agree("reduce", failure, group=group)
-
-    handle, result = start_backend_reduce(
-        [tensor],
-        name,
-        group,
-        "reduce",
-        dst=global_rank(group, dst),
-        vote=agreed if vote else None,
-        inplace=True,
-    )
+    """The backend's reduce to ``dst`` of the staged data; the result is written into
+    ``tensor`` on ``dst`` only."""
+    handle, result = staged.start(global_rank(group, dst))
 
     def finish() -> None:
-        if me == dst:
+        if get_rank(group) == dst:
             write_back(tensor, result())
 
     work = Work("reduce", group, [handle], finish)
@@ -217,7 +220,26 @@ def scatter(
     except Exception as exc:
         error = exc
     ok = error is None
+    device = get_comm_device(group)
     payload = _inline_list(scatter_list) if ok and me == src and scatter_list else None
+    # the root's list (one output a rank) decides whether the data rides inline; every
+    # rank guesses it from its output's size, and ``finish_staging`` mends a wrong guess
+    staged: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+
+    def stage() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        local_fault("staging", "scatter")
+        sends = None
+        if me == src:
+            assert scatter_list is not None
+            sends = [_as_bytes(_staged(_plain(t), device)) for t in scatter_list]
+        return _staged(tensor, device), sends
+
+    whole = Inline(tensor.numel() * tensor.element_size() * world, _no_write, tensor.device)
+    if ok and stages_early(whole, group):
+        try:
+            staged = stage()
+        except Exception as exc:
+            error = exc
     peers = handshake(
         Header(
             "scatter",
@@ -225,6 +247,7 @@ def scatter(
             dtype=tensor.dtype if ok else None,
             root=src if ok else -1,
             shape=tuple(tensor.shape) if ok else None,
+            staged=staged is not None,
         ),
         group,
         same=("dtype", "root", "shape"),
@@ -237,18 +260,7 @@ def scatter(
         nbytes = tensor.numel() * tensor.element_size()
         write_back(tensor, inline[me * nbytes : (me + 1) * nbytes].view(tensor.dtype))
         return done
-    device = get_comm_device(group)
-    sends: list[torch.Tensor] | None = None
-    work = torch.empty(0)
-    try:
-        local_fault("staging", "scatter")
-        work = _staged(tensor, device)
-        if me == src:
-            assert scatter_list is not None
-            sends = [_as_bytes(_staged(_plain(t), device)) for t in scatter_list]
-    except Exception as exc:
-        error = exc
-    agree("scatter", error, group=group)
+    work, sends = finish_staging(peers, group, "scatter", staged, stage)
     with transport("scatter", group):
         handle = torch_dist.scatter(
             _as_bytes(work), sends, src=global_rank(group, src), group=group, async_op=True
@@ -308,6 +320,10 @@ def _check_scatter_list(
                 f"{tuple(tensor.shape)} and dtype {tensor.dtype}."
             )
             raise ValueError(message)
+
+
+def _no_write(out: torch.Tensor) -> None:
+    """An ``Inline`` that only tells a size (never written)."""
 
 
 def _inline_list(scatter_list: list[torch.Tensor]) -> Inline:

@@ -11,27 +11,29 @@ from __future__ import annotations
 
 import inspect
 import secrets
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_rank, get_world_size
 
-from ._agree import agree
 from ._faults import transport
 from ._forms import ALL_GATHER_MM, ALL_GATHER_TORCH, GATHER_MM, GATHER_TORCH, bind
 from ._frame import Header, Inline
 from ._gather import _all_gather, _all_gather_into, _gather, _gather_into
-from ._handshake import handshake
+from ._handshake import finish_staging, handshake, stages_early
 from ._modes import checks_enabled, local_fault
 from ._reduce import (
+    BackendReduction,
+    Reduction,
     backend_reduce,
     check_op_dtype,
     inline_rows,
-    reduce_inplace,
+    prepare_reduction,
     reduce_op_name,
     reduce_rows,
+    stage_backend_reduce,
     start_backend_reduce,
     write_back,
 )
@@ -46,6 +48,8 @@ from ._staging import _staged as _staged
 from ._staging import global_rank as global_rank
 from .groups import not_member
 from .work import Work, completed_work
+
+Staged = Reduction | BackendReduction  # the long path's buffers of an all_reduce
 
 __all__ = [
     "all_gather",
@@ -109,6 +113,23 @@ def all_reduce(
     except Exception as exc:
         error = exc
     ok = error is None
+    payload = Inline.of_tensor(data) if ok else None
+
+    # the long path's buffers: the blocking call reduces with comm's own all-to-all (exact,
+    # bit-identical to the inline path), the asynchronous one with the backend's all-reduce
+    def stage() -> Staged:
+        if async_op:
+            return stage_backend_reduce(
+                [data], name, group, "all_reduce", inplace=True, checked=True
+            )
+        return prepare_reduction([data], name, group, "all_reduce", in_place=True)
+
+    staged: Staged | None = None
+    if payload is not None and stages_early(payload, group):
+        try:
+            staged = stage()
+        except Exception as exc:
+            error = exc
     peers = handshake(
         Header(
             "all_reduce",
@@ -116,28 +137,24 @@ def all_reduce(
             dtype=data.dtype if ok else None,
             reduce_op=name or None,
             shape=tuple(data.shape) if ok else None,
+            staged=staged is not None,
         ),
         group,
         same=("dtype", "reduce_op", "shape"),
         hint="all_reduce needs the same shape, dtype and op on every rank.",
-        payload=Inline.of_tensor(data) if ok else None,
+        payload=payload,
         varying=False,
     )
     rows = inline_rows(peers, data.dtype)
     if rows is not None:
         write_back(data, reduce_rows(torch.stack(rows), name, "all_reduce"))
         return completed_work("all_reduce") if async_op else None
-    if not async_op:
-        reduce_inplace(data, name, group, "all_reduce")
+    ready = cast(Staged, finish_staging(peers, group, "all_reduce", staged, stage))
+    if isinstance(ready, Reduction):
+        write_back(data, ready.run())
         return None
     # checked already: the backend's own all-reduce moves the data in the background
-
-    def vote(failure: BaseException | None) -> None:
-        agree("all_reduce", failure, group=group)
-
-    handle, finish = start_backend_reduce(
-        [data], name, group, "all_reduce", vote=vote, inplace=True
-    )
+    handle, finish = ready.start()
     return Work("all_reduce", group, [handle], lambda: write_back(data, finish()))
 
 
@@ -313,6 +330,20 @@ def broadcast(
         return _send_broadcast(data, work, src, group, async_op)
     error = _checked("broadcast", data, lambda: _check_root("broadcast", src, group, "src"))
     ok = error is None
+    device = get_comm_device(group)
+
+    def stage() -> torch.Tensor:
+        local_fault("staging", "broadcast")
+        return _staged(_plain(data) if me == src else data, device)
+
+    # the root's tensor decides whether the data rides inline; every rank's tensor has its
+    # size, so each can tell (``finish_staging`` mends the rare wrong guess)
+    staged: torch.Tensor | None = None
+    if ok and stages_early(Inline.of_tensor(data), group):
+        try:
+            staged = stage()
+        except Exception as exc:
+            error = exc
     peers = handshake(
         Header(
             "broadcast",
@@ -320,6 +351,7 @@ def broadcast(
             dtype=data.dtype if ok else None,
             root=src if ok else -1,
             shape=tuple(data.shape) if ok else None,
+            staged=staged is not None,
         ),
         group,
         same=("dtype", "root", "shape"),
@@ -332,13 +364,7 @@ def broadcast(
         if me != src:
             write_back(data, inline.view(data.dtype))
         return done
-    device = get_comm_device(group)
-    try:
-        local_fault("staging", "broadcast")
-        work = _staged(_plain(data) if me == src else data, device)
-    except Exception as exc:
-        error = exc
-    agree("broadcast", error, group=group)
+    work = finish_staging(peers, group, "broadcast", staged, stage)
     return _send_broadcast(data, work, src, group, async_op)
 
 
