@@ -30,7 +30,9 @@ one repeat to the next; the tables give medians over the repeats, and each ratio
 median over the repeats of the ratio of the two samples taken in the same repeat.
 
     python benchmarks/bench_strategies.py [--smoke] [--repeats N] [--out DIR] [--no-bind]
+        [--only steps|model_parallel]
 
+``--only steps`` runs the 2-rank world alone, ``--only model_parallel`` the 4-rank one.
 Writes DIR/results.md and DIR/results.json.
 """
 
@@ -401,13 +403,15 @@ def run_mp_rank(smoke: bool, repeats: int, steps: int, bind: bool, root: str) ->
 
 
 def to_markdown(result: dict[str, Any], repeats: int, steps: int) -> str:
-    lines = [
-        f"World of 2 gloo ranks, MLP 128-{HIDDEN}-{HIDDEN}-16, batch {BATCH} per rank, AdamW; "
-        f"{repeats} interleaved repeats of {steps} steps, medians.",
-        "",
-        "| engine | baseline | baseline ms/step | comm ms/step | comm / baseline |",
-        "|---|---|---:|---:|---:|",
-    ]
+    lines: list[str] = []
+    if result["rows"] or result["skipped"]:  # not with --only model_parallel
+        lines += [
+            f"World of 2 gloo ranks, MLP 128-{HIDDEN}-{HIDDEN}-16, batch {BATCH} per rank, "
+            f"AdamW; {repeats} interleaved repeats of {steps} steps, medians.",
+            "",
+            "| engine | baseline | baseline ms/step | comm ms/step | comm / baseline |",
+            "|---|---|---:|---:|---:|",
+        ]
     for name, row in result["rows"].items():
         lines.append(
             f"| {name} | {row['base']} | {row['base_ms']:.2f} | {row['comm_ms']:.2f} | "
@@ -442,6 +446,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps per sample")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-bind", action="store_true", help="do not bind ranks to cores")
+    parser.add_argument(
+        "--only",
+        choices=("steps", "model_parallel"),
+        default=None,
+        help="run one world only: the 2-rank steps, or the 4-rank model_parallel rows",
+    )
     args = parser.parse_args()
     repeats, steps = (2, 2) if args.smoke else (args.repeats, args.steps)
     env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
@@ -457,15 +467,19 @@ def main() -> int:
     # the function by name.
     from bench_strategies import run_mp_rank, run_rank
 
-    with WorldPool(2, timeout=900, env=env) as pool:
-        result = pool.run(run_rank, args.smoke, repeats, steps, not args.no_bind, timeout=900)[0]
-    with (
-        tempfile.TemporaryDirectory(prefix="comm-bench-mp-") as root,
-        WorldPool(4, timeout=900, env=env) as pool,
-    ):
-        result["model_parallel"] = pool.run(
-            run_mp_rank, args.smoke, repeats, steps, not args.no_bind, root, timeout=900
-        )[0]
+    result: dict[str, Any] = {"rows": {}, "skipped": {}}
+    if args.only != "model_parallel":
+        with WorldPool(2, timeout=900, env=env) as pool:
+            bind = not args.no_bind
+            result = pool.run(run_rank, args.smoke, repeats, steps, bind, timeout=900)[0]
+    if args.only != "steps":
+        with (
+            tempfile.TemporaryDirectory(prefix="comm-bench-mp-") as root,
+            WorldPool(4, timeout=900, env=env) as pool,
+        ):
+            result["model_parallel"] = pool.run(
+                run_mp_rank, args.smoke, repeats, steps, not args.no_bind, root, timeout=900
+            )[0]
     text = to_markdown(result, repeats, steps)
     print(text)
     if args.out is not None:
