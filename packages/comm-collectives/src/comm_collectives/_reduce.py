@@ -310,7 +310,9 @@ def start_backend_reduce(
     that, once it has finished, returns the reduced flat tensor (integer means made exact,
     raising a ValueError when one is not). The unchecked path: staging and start in one.
     """
-    return stage_backend_reduce(parts, op, group, operation, inplace=inplace).start(dst)
+    handle, finish = stage_backend_reduce(parts, op, group, operation, inplace=inplace).start(dst)
+    assert handle is not None
+    return handle, finish
 
 
 def stage_backend_reduce(
@@ -362,20 +364,20 @@ class BackendReduction:
             else:
                 self.work = torch.cat(flats)
 
-    def start(self, dst: int = -1) -> tuple[torch_dist.Work, Callable[[], torch.Tensor]]:
+    def start(
+        self, dst: int = -1, *, async_op: bool = True
+    ) -> tuple[torch_dist.Work | None, Callable[[], torch.Tensor]]:
         """Start the reduction (to ``dst``, a global rank, when ``dst >= 0``); return its
-        handle and the function that returns the result once it has finished."""
+        handle and the function that returns the result once it has finished. Without
+        ``async_op`` the data has moved on return and the handle is None (the backend's
+        blocking call: no hand-over to Python between its start and its wait)."""
         work, group = self.work, self.group
+        torch_op = _TORCH_OPS[self.op]
         with transport(self.operation, group):
             if dst >= 0:
-                handle = torch_dist.reduce(
-                    work, dst, _TORCH_OPS[self.op], group=group, async_op=True
-                )
+                handle = torch_dist.reduce(work, dst, torch_op, group=group, async_op=async_op)
             else:
-                handle = torch_dist.all_reduce(
-                    work, _TORCH_OPS[self.op], group=group, async_op=True
-                )
-        assert handle is not None
+                handle = torch_dist.all_reduce(work, torch_op, group=group, async_op=async_op)
 
         def finish() -> torch.Tensor:
             if self.exact:

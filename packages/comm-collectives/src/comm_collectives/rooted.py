@@ -150,17 +150,16 @@ def _start(
 ) -> Work | None:
     """The backend's reduce to ``dst`` of the staged data; the result is written into
     ``tensor`` on ``dst`` only."""
-    handle, result = staged.start(global_rank(group, dst))
+    handle, result = staged.start(global_rank(group, dst), async_op=async_op)
 
     def finish() -> None:
         if get_rank(group) == dst:
             write_back(tensor, result())
 
-    work = Work("reduce", group, [handle], finish)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    if handle is None:
+        finish()
+        return None
+    return Work("reduce", group, [handle], finish)
 
 
 def scatter(
@@ -263,19 +262,17 @@ def scatter(
     work, sends = finish_staging(peers, group, "scatter", staged, stage)
     with transport("scatter", group):
         handle = torch_dist.scatter(
-            _as_bytes(work), sends, src=global_rank(group, src), group=group, async_op=True
+            _as_bytes(work), sends, src=global_rank(group, src), group=group, async_op=async_op
         )
-    assert handle is not None
 
     def finish() -> None:
         if work is not tensor:
             write_back(tensor, work)
 
-    result = Work("scatter", group, [handle], finish)
-    if async_op:
-        return result
-    result.wait()
-    return None
+    if handle is None:
+        finish()
+        return None
+    return Work("scatter", group, [handle], finish)
 
 
 def _check_scatter_list(

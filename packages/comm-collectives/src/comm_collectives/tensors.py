@@ -154,8 +154,9 @@ def all_reduce(
         write_back(data, ready.run())
         return None
     # checked already: the backend's own all-reduce moves the data in the background
-    handle, finish = ready.start()
-    return Work("all_reduce", group, [handle], lambda: write_back(data, finish()))
+    started, finish = ready.start()
+    assert started is not None
+    return Work("all_reduce", group, [started], lambda: write_back(data, finish()))
 
 
 @overload
