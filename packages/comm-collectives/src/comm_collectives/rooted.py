@@ -233,8 +233,9 @@ def scatter(
             sends = [_as_bytes(_staged(_plain(t), device)) for t in scatter_list]
         return _staged(tensor, device), sends
 
-    whole = Inline(tensor.numel() * tensor.element_size() * world, _no_write, tensor.device)
-    if ok and stages_early(whole, group):
+    if ok and stages_early(
+        Inline(tensor.numel() * tensor.element_size() * world, _no_write, tensor.device), group
+    ):
         try:
             staged = stage()
         except Exception as exc:
