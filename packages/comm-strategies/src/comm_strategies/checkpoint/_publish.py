@@ -11,7 +11,6 @@ hidden and deleted the same way.
 from __future__ import annotations
 
 import atexit
-import glob
 import os
 import shutil
 import threading
@@ -49,11 +48,18 @@ def abandon(temporary: Path) -> None:
 
 
 def list_files(folder: Path) -> dict[str, int]:
-    return {
-        str(path.relative_to(folder)): path.stat().st_size
-        for path in sorted(folder.rglob("*"))
-        if path.is_file()
-    }
+    """Every file under ``folder`` (relative path, size), sorted; links are not followed."""
+    found: dict[str, int] = {}
+    pending = [(folder, "")]
+    while pending:
+        here, prefix = pending.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((Path(entry.path), f"{prefix}{entry.name}/"))
+                elif entry.is_file():
+                    found[prefix + entry.name] = entry.stat().st_size
+    return dict(sorted(found.items()))
 
 
 def _replaceable(final: Path) -> str:
@@ -258,12 +264,13 @@ def _fsync_dir(folder: Path) -> None:
 def _remove_stale(final: Path) -> None:
     """Remove the temporary folders that earlier, killed saves of ``final`` left behind,
     and replaced copies whose background deletion a killed process did not finish."""
-    name = glob.escape(final.name)  # a name holding *, ? or [ must match only itself
-    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
-        for stale in final.parent.glob(pattern):
-            thread = _deleting.get(stale)
-            if thread is None or not thread.is_alive():  # not being deleted already
-                _remove_entry(stale)
+    prefixes = (f".{final.name}.tmp-", f".{final.name}.old-")
+    with os.scandir(final.parent) as entries:  # one listing for both kinds
+        found = [final.parent / entry.name for entry in entries if entry.name.startswith(prefixes)]
+    for stale in found:
+        thread = _deleting.get(stale)
+        if thread is None or not thread.is_alive():  # not being deleted already
+            _remove_entry(stale)
 
 
 def _remove_entry(path: Path) -> None:

@@ -2,13 +2,21 @@
 
 The steps, in a fixed order (the shape of torch.distributed.checkpoint's storage writers):
 rank 0 creates the temporary folder (`_publish.begin`); every rank enters with the same
-path or every rank raises (`Call.enter`); every rank writes its part of the model and
-optimizer in the backend's format (`_formats`), its RNG state, and rank 0 the side files;
-the ranks vote on the outcome; rank 0 writes the manifest, renames the folder into
-place (`_publish.finish`) and, with ``keep_last``, removes the older checkpoints beside it
-(`_publish.retain`); a last vote makes that outcome every rank's. With ``async_save`` the
-state is copied to the CPU instead of written, and a background thread writes it and
-publishes (`_async`, whose docstring says how the ranks agree without a collective).
+path or every rank raises (`Call.enter`); every rank meets the others before the data
+moves (`Call.together`); every rank writes its part of the model and optimizer in the
+backend's format (`_formats`), its RNG state, and rank 0 the side files; the ranks vote
+on the outcome; rank 0 writes the manifest, renames the folder into place
+(`_publish.finish`) and, with ``keep_last``, removes the older checkpoints beside it
+(`_publish.retain`); a last vote makes that outcome every rank's.
+
+The ``dcp`` format saves two of those exchanges: the small files are written before the
+meeting, which shares their outcome; DCP's own collectives raise a failure to write a
+shard on every rank, so no vote follows the write; and without ``timeout=`` rank 0
+publishes inside DCP's last step (`DcpFormat.write`'s ``publish``), whose outcome DCP
+hands every rank (with ``timeout=``, the last vote, bounded by it, shares it instead).
+With ``async_save`` the state is copied to the CPU instead of written, and a background
+thread writes it and publishes (`_async`, whose docstring says how the ranks agree
+without a collective).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from ._async import SaveHandle
 from ._consensus import WRITE_TIMEOUT_S, Call, where
 from ._errors import CheckpointError
 from ._files import save_tensor_file, write_json
-from ._formats import FORMATS, Attempts, quiet_torch, sharded_state
+from ._formats import FORMATS, Attempts, DcpFormat, PublishError, quiet_torch, sharded_state
 from ._layout import DEFAULT_KEY, EXTRA_FILE, RNG_FOLDER, SCALER_FILE, SCHEDULERS_FILE
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from ._params import describe_params
@@ -189,7 +197,9 @@ def save_checkpoint(
     attempts = Attempts(temporary)
     # What rank 0's manifest says, taken now (an async save publishes later); a failure
     # here reaches every rank through the vote, as a failure to write does.
-    described = attempts.run(_described, backend, what="the model's description") or {}
+    described: dict[str, Any] = {}
+    if dist.get_rank() == 0:  # the only rank that writes a manifest
+        described = attempts.run(_described, backend, what="the model's description") or {}
     record = _Record(
         strategy=str(strategy),
         fmt=fmt,
@@ -199,38 +209,63 @@ def save_checkpoint(
         described=described,
     )
     _hook("entered")
+    background = async_save and fmt in _async.ASYNC_FORMATS
+    # With DCP, whose collectives raise every rank's failure to write on every rank, the
+    # small files are written first and their outcome travels with the exchange before
+    # the data moves: once DCP returns, every rank's files are whole, with no vote after.
+    early = fmt == "dcp" and not background
+    scalers: dict[str, Any] = {}
+    if early:
+        scalers = _write_side_files(attempts, temporary, optim_wrapper, schedulers, extra)
     try:  # what comes next moves data between the ranks: every rank is there first
-        call.together("writing")
+        call.together("writing", attempts.error if early else None)
     except CheckpointError:
         if dist.get_rank() == 0:
             _publish.abandon(temporary)
         raise
-    if async_save and fmt in _async.ASYNC_FORMATS:
+    if background:
         return _start_async(
             call, final, temporary, attempts, backend, optimizers, record, keep_last,
             (optim_wrapper, schedulers, extra),
         )  # fmt: skip
+    leader = dist.get_rank() == 0
+    if early and call.deadline is None:
+        # No timeout= to bound the wait for rank 0's publish: it is DCP's last step
+        # (inside the collective that ends the write), whose outcome DCP gives every rank.
+        def publish(params: dict[str, list[Any]]) -> None:
+            _publish_or_raise(record, params, bool(scalers), temporary, final, keep_last)
+
+        try:
+            DcpFormat().write(
+                backend, optimizers, temporary, attempts,
+                written=lambda: _hook("written"), publish=publish if leader else None,
+            )  # fmt: skip
+        except CheckpointError:
+            if leader:  # a failed save leaves nothing behind
+                _publish.abandon(temporary)
+            raise
+        return final
     # Collective parts first, every rank taking part even after a local failure (a rank
     # that left would leave the others waiting); local writes after, each inside
     # attempts.run: a failure reaches every rank through the vote instead of hanging them.
-    params = FORMATS[fmt].write(backend, optimizers, temporary, attempts)
-    files, scalers = _side_files(temporary, optim_wrapper, schedulers, extra)
-    for what, produce, target in files:
-        attempts.run(_write_now, produce, target, what=what)
-    _hook("written")
     try:
-        call.vote("written", attempts.error)
-    except CheckpointError:
-        if dist.get_rank() == 0:  # a failed save leaves nothing behind
+        params = FORMATS[fmt].write(backend, optimizers, temporary, attempts)
+        if not early:
+            scalers = _write_side_files(attempts, temporary, optim_wrapper, schedulers, extra)
+        _hook("written")
+        if not early:
+            call.vote("written", attempts.error)
+    except CheckpointError:  # DCP's failure (on every rank) or the vote's
+        if leader:  # a failed save leaves nothing behind
             _publish.abandon(temporary)
         raise
     error = None
-    if dist.get_rank() == 0:
-        try:  # any failure here (not only the filesystem's) must reach the other ranks
-            _publish_folder(record, params, bool(scalers), temporary, final, keep_last)
-        except Exception as caught:
-            error = CheckpointError(f"cannot finish {final}: {caught}")
-            error.__cause__ = caught
+    if leader:
+        try:  # any failure here must reach the other ranks (bounded by the call's timeout)
+            _publish_or_raise(record, params, bool(scalers), temporary, final, keep_last)
+        except PublishError as caught:
+            error = caught
+            _publish.abandon(temporary)  # gone already when the rename was done
     call.vote("done", error)
     return _async.finished(final) if async_save else final
 
@@ -271,6 +306,22 @@ def _check_keep_last(keep_last: int | None) -> None:
             f"kept), got {keep_last}; pass None to keep every checkpoint"
         )
         raise ValueError(message)
+
+
+def _publish_or_raise(
+    record: _Record,
+    params: dict[str, list[Any]],
+    has_scaler: bool,
+    temporary: Path,
+    final: Path,
+    keep_last: int | None,
+) -> None:
+    """`_publish_folder`, any failure (not only the filesystem's) a `PublishError`."""
+    try:
+        _publish_folder(record, params, has_scaler, temporary, final, keep_last)
+    except Exception as caught:
+        error = PublishError(f"cannot finish {final}: {caught}")
+        raise error from caught
 
 
 def _publish_folder(
@@ -447,6 +498,21 @@ def _side_files(
 
 
 SideFile = tuple[str, Callable[[], Any], Callable[[], Path]]
+
+
+def _write_side_files(
+    attempts: Attempts,
+    folder: Path,
+    optim_wrapper: Any,
+    schedulers: Sequence[Any],
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """Write this rank's small files (`_side_files`), each inside ``attempts``; return the
+    scalers."""
+    files, scalers = _side_files(folder, optim_wrapper, schedulers, extra)
+    for what, produce, target in files:
+        attempts.run(_write_now, produce, target, what=what)
+    return scalers
 
 
 def _write_now(produce: Callable[[], Any], target: Callable[[], Path]) -> None:

@@ -1,0 +1,200 @@
+"""How a sharded (DCP) save shares its outcome, on 2 real gloo ranks.
+
+A save of the ``dcp`` format writes the small files (RNG states, schedulers, user state)
+before the exchange that precedes the data, so a failure there raises on every rank
+before DCP starts; DCP's own collectives then raise a failure to write a shard on every
+rank; rank 0 publishes (manifest, rename) inside DCP's last step when the call has no
+``timeout=``, or before a vote bounded by it when it has one. Every failure must raise on
+every rank, naming the rank, and leave neither the checkpoint nor its temporary folder;
+the world must stay in step for the next save.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import comm_collectives as dist
+from comm_strategies.checkpoint import load_checkpoint, read_manifest, save_checkpoint
+from tests.helpers import caught, full_params
+from tests.strategies.ckpt_models import build, train_steps
+
+
+def _listed(root: str) -> list[str]:
+    """What ``root`` holds once every rank's call returned, before any rank goes on."""
+    dist.barrier()
+    listed = sorted(os.listdir(root))
+    dist.barrier()
+    return listed
+
+
+def publish_fails_on_rank_0(root: str, timeout: float | None) -> dict[str, Any]:
+    """Rank 0 cannot publish (its manifest write fails) after every rank wrote its shards."""
+    from comm_strategies.checkpoint import _save
+
+    model, optim = build("fsdp2")
+    train_steps(model, optim, range(1))
+    publish = _save._publish_folder
+    if dist.get_rank() == 0:
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise OSError("disk full")
+
+        _save._publish_folder = broken
+    try:
+        out: dict[str, Any] = {
+            "error": caught(
+                save_checkpoint,
+                f"{root}/ck",
+                model=model,
+                optim_wrapper=optim,
+                strategy="fsdp2",
+                timeout=timeout,
+            )
+        }
+    finally:
+        _save._publish_folder = publish
+    out["left"] = _listed(root)
+    good = save_checkpoint(f"{root}/good", model=model, optim_wrapper=optim, strategy="fsdp2")
+    load_checkpoint(good, model=model, optim_wrapper=optim)
+    out["files"] = sorted(read_manifest(good).files)
+    return out
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["in-dcp", "voted"])
+def test_a_failed_publish_raises_on_every_rank_and_leaves_nothing(
+    comm_pools: Any, tmp_path: Path, timeout: float | None
+) -> None:
+    first, second = comm_pools.get(2).run(
+        publish_fails_on_rank_0, str(tmp_path), timeout, timeout=120
+    )
+    name, message = first["error"]
+    assert name == "PublishError", message
+    assert message.startswith(f"cannot finish {tmp_path / 'ck'}: disk full"), message
+    name, message = second["error"]
+    assert name == "CheckpointError", message
+    assert "failed on 1 rank(s): rank 0: PublishError: cannot finish" in message, message
+    assert "disk full" in message, message
+    for result in (first, second):
+        assert result["left"] == [], result["left"]  # no checkpoint, no temporary folder
+        assert "rng/rank_0.pt" in result["files"]
+        assert "rng/rank_1.pt" in result["files"]
+        assert "dcp/.metadata" in result["files"]
+
+
+def small_file_fails_on_rank_1(root: str) -> dict[str, Any]:
+    """Rank 1 cannot write its RNG state: every rank raises before DCP moves any data."""
+    from comm_strategies.checkpoint import _rng
+
+    model, optim = build("fsdp2")
+    train_steps(model, optim, range(1))
+    capture = _rng.capture
+    if dist.get_rank() == 1:
+
+        def broken() -> dict[str, Any]:
+            raise RuntimeError("generator state unavailable")
+
+        _rng.capture = broken
+    start = time.monotonic()
+    try:
+        out: dict[str, Any] = {
+            "error": caught(
+                save_checkpoint,
+                f"{root}/ck",
+                model=model,
+                optim_wrapper=optim,
+                strategy="fsdp2",
+                timeout=60,
+            )
+        }
+    finally:
+        _rng.capture = capture
+    out["took"] = time.monotonic() - start
+    out["left"] = _listed(root)
+    save_checkpoint(f"{root}/good", model=model, optim_wrapper=optim, strategy="fsdp2")
+    return out
+
+
+def test_a_small_file_failing_on_one_rank_raises_on_every_rank_before_the_data_moves(
+    comm_pools: Any, tmp_path: Path
+) -> None:
+    for result in comm_pools.get(2).run(small_file_fails_on_rank_1, str(tmp_path), timeout=120):
+        name, message = result["error"]
+        assert name == "CheckpointError", message
+        assert "rank 1" in message, message
+        assert "generator state unavailable" in message, message
+        assert result["took"] < 10.0, result["took"]  # at the exchange, not the timeout
+        assert result["left"] == [], result["left"]
+
+
+def shard_write_fails_on_rank_1(root: str) -> dict[str, Any]:
+    """Rank 1 cannot write its DCP shard: DCP raises on every rank; nothing is left."""
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    model, optim = build("fsdp2")
+    train_steps(model, optim, range(1))
+    write_data = _FileSystemWriter.write_data
+    if dist.get_rank() == 1:
+
+        def broken(self: Any, plan: Any, planner: Any) -> Any:
+            raise OSError("no space left on device")
+
+        _FileSystemWriter.write_data = broken  # type: ignore[method-assign]
+    try:
+        out: dict[str, Any] = {
+            "error": caught(
+                save_checkpoint,
+                f"{root}/ck",
+                model=model,
+                optim_wrapper=optim,
+                strategy="fsdp2",
+            )
+        }
+    finally:
+        _FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    out["left"] = _listed(root)
+    return out
+
+
+def test_a_shard_that_cannot_be_written_fails_every_rank_and_leaves_nothing(
+    comm_pools: Any, tmp_path: Path
+) -> None:
+    for result in comm_pools.get(2).run(shard_write_fails_on_rank_1, str(tmp_path), timeout=120):
+        name, message = result["error"]
+        assert name == "CheckpointError", message
+        assert "torch distributed checkpoint could not write" in message, message
+        assert "no space left on device" in message, message
+        assert "RANK 1" in message, message  # DCP names the rank
+        assert result["left"] == [], result["left"]
+
+
+def stages_of_a_dcp_save(root: str) -> dict[str, Any]:
+    """The test hook's stages, in order; the manifest only once every rank wrote."""
+    from comm_strategies.checkpoint import _save
+
+    model, optim = build("fsdp2")
+    train_steps(model, optim, range(1))
+    stages: list[str] = []
+    _save._stage_hook = stages.append
+    try:
+        path = save_checkpoint(f"{root}/ck", model=model, optim_wrapper=optim, strategy="fsdp2")
+    finally:
+        _save._stage_hook = None
+    fresh, fresh_optim = build("fsdp2")
+    load_checkpoint(path, model=fresh, optim_wrapper=fresh_optim)
+    same = {k: v.tolist() for k, v in full_params(fresh).items()} == {
+        k: v.tolist() for k, v in full_params(model).items()
+    }
+    return {"stages": stages, "same": same}
+
+
+def test_a_dcp_save_publishes_after_every_rank_wrote(comm_pools: Any, tmp_path: Path) -> None:
+    first, second = comm_pools.get(2).run(stages_of_a_dcp_save, str(tmp_path), timeout=120)
+    assert first["stages"] == ["entered", "written", "manifest"]
+    assert second["stages"] == ["entered", "written"]
+    assert first["same"]
+    assert second["same"]
