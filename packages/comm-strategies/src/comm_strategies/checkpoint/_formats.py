@@ -317,8 +317,10 @@ class DcpFormat:
             raise CheckpointError(message) from caught
         backend.load_model_state(state["model"], full=False, strict=request.strict)
         for key, optimizer in request.optimizers.items():
-            groups = backend.optimizer_groups(optimizer)
             optim_state = state["optim"][key]
+            # One group saved, one here: every parameter is in its group, nothing to fit.
+            alone = len(optimizer.param_groups) == 1 == len(optim_state.get("param_groups", ()))
+            groups = None if alone else backend.optimizer_groups(optimizer)
             if groups is not None:  # the saved groups' names, read back: each in its group
                 optim_state = fit_optimizer_groups(
                     optim_state, groups, optimizer.param_groups, f"{source} ({key})", request.strict
