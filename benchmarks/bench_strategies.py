@@ -398,6 +398,8 @@ def run_mp_rank(smoke: bool, repeats: int, steps: int, bind: bool, root: str) ->
             "base_ms": 1000 * statistics.median(values["raw"]),
             "comm_ms": 1000 * statistics.median(values["comm"]),
             "ratio": statistics.median(ratios),
+            # every repeat's pair, for pooling runs (results.json)
+            "samples_ms": [[1000 * b, 1000 * c] for b, c in zip(values["raw"], values["comm"])],
         }
     return {"rows": rows, "skipped": {}}
 
