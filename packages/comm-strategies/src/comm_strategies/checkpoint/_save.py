@@ -151,8 +151,10 @@ def save_checkpoint(
             files (under DeepSpeed: the weights only, gathered).
         timeout: Seconds the whole call may take on this rank (entering, every rank
             reaching the write, the outcome shared); default: ``COMM_CHECKPOINT_TIMEOUT``
-            or 300 for entering and reaching the write, an hour for the outcome. A write
-            already under way is bounded by the process group's own timeout.
+            or 300 for entering and reaching the write, an hour for the outcome (the
+            ``dcp`` format has no outcome vote then: rank 0 publishes inside DCP's last
+            step). A write already under way is bounded by the process group's own
+            timeout.
         async_save: Copy the state to the CPU, return a `SaveHandle` at once, and write
             and publish in a background thread while training goes on (formats ``full``
             and ``dcp``; DeepSpeed's own files are written before the call returns, and
