@@ -171,8 +171,9 @@ def test_an_early_staging_failure_travels_in_the_header(comm_run_distributed: An
         assert r == dict.fromkeys(_EARLY, ((0,), 3))
 
 
-def non_tensor_on_one_rank() -> dict[str, Any]:
-    """Rank 1 passes a list where the others pass a tensor too large for the frame."""
+def non_tensor_on_one_rank(kind: str) -> dict[str, Any]:
+    """Rank 1 passes a list (or a nested tensor, which has no shape) where the others pass
+    a tensor too large for the frame."""
     rank, world = dist.get_rank(), dist.get_world_size()
     big = torch.ones(N)
     parts = [torch.ones(N)] * world if rank == 0 else None
@@ -186,13 +187,17 @@ def non_tensor_on_one_rank() -> dict[str, Any]:
     for name, call in calls.items():
         with inline_limit(0):
             try:
-                call([1.0] * N if rank == 1 else big)
+                odd = [1.0] * N if kind == "list" else torch.nested.nested_tensor([big, big])
+                call(odd if rank == 1 else big)
                 out[name] = None
             except dist.RemoteRankError as exc:
                 out[name] = exc.ranks
     return out
 
 
-def test_a_non_tensor_on_one_rank_raises_on_every_rank(comm_run_distributed: Any) -> None:
-    for r in comm_run_distributed(non_tensor_on_one_rank, world_size=2):
+@pytest.mark.parametrize("kind", ["list", "nested"])
+def test_a_non_tensor_on_one_rank_raises_on_every_rank(
+    comm_run_distributed: Any, kind: str
+) -> None:
+    for r in comm_run_distributed(non_tensor_on_one_rank, kind, world_size=2):
         assert r == {"all_reduce": (1,), "reduce": (1,), "broadcast": (1,), "scatter": (1,)}

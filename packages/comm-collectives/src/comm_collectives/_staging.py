@@ -30,6 +30,12 @@ def _check_tensor(name: str, data: object) -> None:
     if not isinstance(data, torch.Tensor):
         message = f"{name}: data must be a torch.Tensor, got {type(data).__name__}."
         raise TypeError(message)
+    if data.is_nested:  # it has no shape to announce
+        message = (
+            f"{name}: nested tensors are not supported; pass a dense tensor (for example "
+            "torch.nested.to_padded_tensor(t, 0.0)) or one call per component."
+        )
+        raise TypeError(message)
 
 
 def _check_root(name: str, root: int, group: torch_dist.ProcessGroup | None, what: str) -> None:

@@ -46,7 +46,8 @@ def reduce(
     As with torch, the other ranks' tensors are the backend's workspace: a tensor too large
     to travel in the handshake (more than a few KB) may hold partial results afterwards on
     a rank other than ``dst`` (clone it first if you need it). Copying it away would cost a
-    pass over the data on every rank; a small tensor is left unchanged.
+    pass over the data on every rank; a small tensor that rides in the handshake (in a
+    world of up to 64 ranks) is left unchanged.
 
     Args:
         tensor: The tensor; every rank passes the same shape and dtype.
