@@ -134,7 +134,7 @@ def rendezvous(
     # gives up either finds "withdrawn" and raises, or completed the exchange first.
     outcome = _settle(store, f"{base}/outcome", "withdrawn" if missing else "done")
     if outcome == "done":
-        return [bytes(store.get(k)).decode(_ENCODING, "surrogateescape") for k in keys]
+        return [bytes(v).decode(_ENCODING, "surrogateescape") for v in _get_all(store, keys)]
     if missing and withdraw_on_timeout:  # a later exchange with this key starts afresh
         _settle(store, f"{key}/generation", str(int(generation) + 1), expected=generation)
         _withdraw(store, keys[me])
@@ -157,6 +157,18 @@ def rendezvous(
     error = CommTimeoutError(message)
     error.missing = missing  # type: ignore[attr-defined]
     raise error
+
+
+def _get_all(store: Store, keys: list[str]) -> list[bytes]:
+    """The values of ``keys`` in one request where the store has one (``multi_get``: one
+    round trip to a TCPStore, one read of a FileStore's file), else one ``get`` a key."""
+    multi_get = getattr(store, "multi_get", None)
+    if multi_get is not None:
+        try:
+            return list(multi_get(keys))
+        except (NotImplementedError, RuntimeError):
+            pass  # a store without it (a custom one): one key at a time
+    return [store.get(k) for k in keys]
 
 
 def _settle(store: Store, key: str, desired: str, *, expected: str = "") -> str:
