@@ -55,7 +55,7 @@ import comm_collectives as dist
 from ._consensus import where
 from ._errors import CheckpointError
 from ._files import save_tensor_file
-from ._formats import Attempts, quiet_torch
+from ._format_common import Attempts, quiet_torch
 from ._layout import DCP_FOLDER, MODEL_FILE, OPTIM_FILE
 
 __all__ = ["Job", "SaveHandle", "stage", "start", "wait_previous"]

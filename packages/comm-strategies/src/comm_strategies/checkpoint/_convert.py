@@ -26,7 +26,7 @@ from ._convert_source import Source as Source
 from ._convert_source import full_model_state_of as full_model_state_of
 from ._convert_source import read_source as read_source
 from ._files import write_json
-from ._formats import quiet_torch
+from ._format_common import quiet_torch
 from ._layout import (
     DCP_FOLDER,
     DEFAULT_KEY,

@@ -25,7 +25,8 @@ from . import _deepspeed_files as ds_files
 from ._consensus import Call
 from ._errors import CheckpointError
 from ._files import load_tensor_file
-from ._formats import FORMATS, LoadRequest, load_full_model, load_native_folder
+from ._format_common import LoadRequest, load_full_model
+from ._formats import FORMATS, load_native_folder
 from ._layout import DEFAULT_KEY, EXTRA_FILE, RNG_FOLDER, SCALER_FILE, SCHEDULERS_FILE
 from ._manifest import MANIFEST_NAME, Manifest, read_manifest
 from ._state import named_optimizers

@@ -37,16 +37,18 @@ import comm_collectives as dist
 from comm_wrappers.backends import Backend, backend_of
 
 from ..__about__ import __version__
-from .._build import scalers_of
-from . import _async, _publish, _rng
+from . import _async, _publish
 from ._async import SaveHandle
 from ._consensus import WRITE_TIMEOUT_S, Call, where
 from ._errors import CheckpointError
-from ._files import save_tensor_file, write_json
-from ._formats import FORMATS, Attempts, DcpFormat, PublishError, quiet_torch, sharded_state
-from ._layout import DEFAULT_KEY, EXTRA_FILE, RNG_FOLDER, SCALER_FILE, SCHEDULERS_FILE
+from ._files import write_json
+from ._format_common import Attempts, quiet_torch
+from ._format_dcp import DcpFormat, PublishError, sharded_state
+from ._formats import FORMATS
+from ._layout import DEFAULT_KEY
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from ._params import describe_params
+from ._side_files import copy_now, side_files, write_side_files
 from ._state import named_optimizers, refuse_unportable
 
 # A test hook: called with the stage name ("entered", "written", "manifest"; with async_save also
@@ -218,7 +220,7 @@ def save_checkpoint(
     early = fmt == "dcp" and not background
     scalers: dict[str, Any] = {}
     if early:
-        scalers = _write_side_files(attempts, temporary, optim_wrapper, schedulers, extra)
+        scalers = write_side_files(attempts, temporary, optim_wrapper, schedulers, extra)
     try:  # what comes next moves data between the ranks: every rank is there first
         call.together("writing", attempts.error if early else None)
     except CheckpointError:
@@ -253,7 +255,7 @@ def save_checkpoint(
     try:
         params = FORMATS[fmt].write(backend, optimizers, temporary, attempts)
         if not early:
-            scalers = _write_side_files(attempts, temporary, optim_wrapper, schedulers, extra)
+            scalers = write_side_files(attempts, temporary, optim_wrapper, schedulers, extra)
         _hook("written")
         if not early:
             call.vote("written", attempts.error)
@@ -399,10 +401,10 @@ def _start_async(
                     _async.stage, states, "optim", what="a CPU copy of the optimizer state"
                 )
             del states
-    files, scalers = _side_files(temporary, *side)
+    files, scalers = side_files(temporary, *side)
     copies: list[_async.Write] = []
     for what, produce, target in files:
-        attempts.run(_copy_now, copies, what, produce, target, what=what)
+        attempts.run(copy_now, copies, what, produce, target, what=what)
     # No vote here (it would block the loop): a failure to copy fails the save through
     # the background thread's vote, raised by wait() on every rank.
     return _async.start(
@@ -459,74 +461,3 @@ def _enter(call: Call, final: Path) -> Path:
         )
         raise CheckpointError(message)
     return temporary
-
-
-def _side_files(
-    folder: Path,
-    optim_wrapper: Any,
-    schedulers: Sequence[Any],
-    extra: Mapping[str, Any] | None,
-) -> tuple[list[SideFile], dict[str, Any]]:
-    """The small files of this rank: its RNG state; on rank 0 the schedulers, scalers and
-    user state, each as (what, how to take its state, its file). Also returns the scalers
-    (found on every rank: finding them reads attributes, saving them may fail)."""
-    me = dist.get_rank()
-    files: list[SideFile] = [("RNG state", _rng.capture, lambda: _rng_path(folder, me))]
-    scalers = scalers_of(optim_wrapper)
-    if me != 0:
-        return files, scalers
-    if schedulers:
-        files.append(
-            (
-                "the schedulers",
-                lambda: [scheduler.state_dict() for scheduler in schedulers],
-                lambda: folder / SCHEDULERS_FILE,
-            )
-        )
-    if scalers:
-        files.append(
-            (
-                "the grad scaler",
-                lambda: {
-                    DEFAULT_KEY if key == "" else key: scaler.state_dict()
-                    for key, scaler in scalers.items()
-                },
-                lambda: folder / SCALER_FILE,
-            )
-        )
-    if extra:
-        files.append(("the user state (extra)", lambda: dict(extra), lambda: folder / EXTRA_FILE))
-    return files, scalers
-
-
-SideFile = tuple[str, Callable[[], Any], Callable[[], Path]]
-
-
-def _write_side_files(
-    attempts: Attempts,
-    folder: Path,
-    optim_wrapper: Any,
-    schedulers: Sequence[Any],
-    extra: Mapping[str, Any] | None,
-) -> dict[str, Any]:
-    """Write this rank's small files (`_side_files`), each inside ``attempts``; return the
-    scalers."""
-    files, scalers = _side_files(folder, optim_wrapper, schedulers, extra)
-    for what, produce, target in files:
-        attempts.run(_write_now, produce, target, what=what)
-    return scalers
-
-
-def _write_now(produce: Callable[[], Any], target: Callable[[], Path]) -> None:
-    save_tensor_file(produce(), target())
-
-
-def _copy_now(
-    copies: list[_async.Write], what: str, produce: Callable[[], Any], target: Callable[[], Path]
-) -> None:
-    copies.append((what, _async.snapshot(produce()), target()))
-
-
-def _rng_path(folder: Path, rank: int) -> Path:
-    (folder / RNG_FOLDER).mkdir(mode=0o700, exist_ok=True)
-    return folder / RNG_FOLDER / f"rank_{rank}.pt"

@@ -12,7 +12,7 @@ from comm_wrappers.backends import Backend, backend_of
 
 from .._build import torch_optimizers
 from ._errors import CheckpointError
-from ._formats import load_full_model
+from ._format_common import load_full_model
 from ._layout import DEFAULT_KEY
 from ._params import fit_optimizer_state
 

@@ -1,0 +1,157 @@
+"""What every checkpoint format shares: the load request, the local-write bookkeeping,
+torch's quieting, and loading full model and optimizer states through the backend adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from comm_wrappers.backends import Backend
+
+from ._consensus import where
+from ._errors import CheckpointError
+from ._manifest import Manifest
+from ._params import check_against, describe_params, fit_names, fit_optimizer_state
+
+Optimizers = Mapping[str, torch.optim.Optimizer]
+
+# What torch says on DCP calls without a group or with several backends: facts about
+# torch's internals, not about the user's checkpoint.
+_DCP_NOISE = (
+    r".*(?:_get_pg_default_device|Multiple backends are registered|Please use DTensor instead"
+    r"|torch\.distributed is disabled, unavailable or uninitialized)"
+)
+
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    """Silence torch's internal chatter during DCP calls."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DCP_NOISE)
+        yield
+
+
+class Attempts:
+    """Runs one rank's local writes; keeps the first failure instead of raising, so that
+    the rank still takes part in the collective steps after it (the vote reports it)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.error: BaseException | None = None
+
+    def run(self, function: Callable[..., Any], *args: Any, what: str = "") -> Any:
+        if self.error is not None:
+            return None
+        try:
+            return function(*args)
+        except Exception as caught:
+            target = what or getattr(function, "__name__", "a part")
+            message = f"writing {target} into {self.folder} failed on {where()}: {caught}"
+            self.error = CheckpointError(message)
+            self.error.__cause__ = caught
+            return None
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What a load asks of a reader.
+
+    Attributes:
+        strict: The model's names must equal the checkpoint's.
+        optimizers: The torch optimizers to fill, by the checkpoint's keys (empty: the
+            weights only).
+        allow_unsafe_pickle: Files that need full unpickling may be read.
+    """
+
+    strict: bool = True
+    optimizers: Optimizers = field(default_factory=dict)
+    allow_unsafe_pickle: bool = False
+
+
+def load_full_model(
+    backend: Backend,
+    state: Mapping[str, Any],
+    strict: bool,
+    source: str,
+    expected: Mapping[str, list[Any]] | None = None,
+) -> list[str]:
+    """Load a full state (every rank holds it) after matching its names with the model's.
+
+    Names may carry wrapper prefixes (``module.``, ``_orig_mod.``...): removed when that
+    fits the model better. Returns the names a ``strict=False`` load skipped (missing,
+    unexpected or differently shaped: it loads the rest and warns with them).
+    ``expected``: the model's `Backend.param_shapes`, when the caller has them.
+
+    Raises:
+        CheckpointError: ``strict`` and an entry is missing, unexpected or differently
+            shaped (the message names them).
+    """
+    if expected is None:
+        expected = backend.param_shapes()
+    fitted = fit_names(state, expected)
+    skipped = check_against(expected, describe_params(fitted), source, strict)
+    if skipped:
+        fitted = {k: v for k, v in fitted.items() if k in expected and k not in skipped}
+    backend.load_model_state(fitted, full=True, strict=strict)
+    return skipped
+
+
+def cannot_move_error(
+    manifest: Manifest, source: Path, backend: Backend, why: str
+) -> CheckpointError:
+    message = (
+        f"{source} holds {manifest.format!r} optimizer state saved under "
+        f"{manifest.strategy} ({manifest.wrapper}, world size {manifest.world_size}), which "
+        f"cannot load into this {backend.kind} model: {why}. Pass load_optimizer=False to "
+        "load the weights (and schedulers, RNG, user state) only."
+    )
+    return CheckpointError(message)
+
+
+def load_full(
+    backend: Backend,
+    model_state: Mapping[str, Any],
+    optim_states: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+    request: LoadRequest,
+    source: str,
+) -> None:
+    """Load full model and optimizer states. ``optim_states`` may be a function that reads
+    them: it is called after the model is loaded, once ``model_state`` is no longer held
+    here (the caller passes the only reference), so a memory-mapped model file's pages can
+    leave the resident set before the optimizer file's are read."""
+    params = backend.param_shapes()
+    skipped = load_full_model(backend, model_state, request.strict, source, params)
+    del model_state
+    if not request.optimizers:
+        return
+    states = optim_states() if callable(optim_states) else optim_states
+    for key, optimizer in request.optimizers.items():
+        state = fit_optimizer_state(
+            states[key],
+            params,
+            skipped,
+            f"{source} ({key})",
+            groups=backend.optimizer_groups(optimizer),
+            own_groups=optimizer.param_groups,
+            strict=request.strict,
+        )
+        try:
+            backend.load_optim_state(optimizer, state, full=True, strict=request.strict)
+        except ValueError as caught:  # the backend's refusal: about this checkpoint
+            message = f"{source} ({key}) does not fit this optimizer: {caught}"
+            raise CheckpointError(message) from caught
+
+
+def check_portable(
+    manifest: Manifest, source: Path, backend: Backend, request: LoadRequest
+) -> None:
+    why = backend.optimizer_not_portable()
+    if request.optimizers and why is not None:
+        raise cannot_move_error(manifest, source, backend, why)

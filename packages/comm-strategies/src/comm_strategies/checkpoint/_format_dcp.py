@@ -1,0 +1,274 @@
+"""The ``dcp`` format: every rank writes its shards with torch distributed checkpoint
+(collective), read back resharded to any layout and world size; and the offline reader of
+such a folder into full tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+import comm_collectives as dist
+from comm_wrappers.backends import Backend
+
+from ._errors import CheckpointError
+from ._format_common import (
+    Attempts,
+    LoadRequest,
+    Optimizers,
+    check_portable,
+    load_full,
+    quiet_torch,
+)
+from ._layout import DCP_FOLDER
+from ._manifest import Manifest
+from ._params import check_against, describe_params, fit_optimizer_groups
+
+
+def sharded_state(backend: Backend, optimizers: Optimizers) -> dict[str, Any]:
+    """``{"model": ..., "optim": {key: ...}}`` as DCP saves and loads it: every rank's own
+    shards ("optim" only when there are optimizers)."""
+    state: dict[str, Any] = {"model": backend.model_state(full=False)}
+    if optimizers:
+        state["optim"] = {
+            key: backend.optim_state(optimizer, full=False) for key, optimizer in optimizers.items()
+        }
+    return state
+
+
+class DcpFormat:
+    """Every rank writes its shards with torch distributed checkpoint (collective); read
+    back resharded to any layout and world size."""
+
+    name: ClassVar[str] = "dcp"
+
+    def write(
+        self,
+        backend: Backend,
+        optimizers: Optimizers,
+        folder: Path,
+        attempts: Attempts,
+        *,
+        written: Callable[[], None] | None = None,
+        publish: Callable[[dict[str, list[Any]]], None] | None = None,
+    ) -> dict[str, list[Any]]:
+        """Write every rank's shards (collective); return the model's shapes.
+
+        ``written`` runs on every rank once its shards are written; ``publish`` (given on
+        rank 0 only) runs with the shapes inside DCP's last step, once every rank's shards
+        and DCP's metadata are written: DCP then hands its outcome to every rank, and a
+        failure of ``publish`` raises on every rank, as a failure to write does.
+
+        Raises:
+            CheckpointError: On every rank, when any rank failed to write or ``publish``
+                failed.
+        """
+        state = sharded_state(backend, optimizers)
+        with quiet_torch():  # the shapes of the state written (global shapes of shards)
+            params = describe_params(state["model"])
+        finish = None if publish is None else lambda: publish(params)
+        writer = _Writer(folder / DCP_FOLDER, written=written, finish=finish)
+        try:
+            with quiet_torch():
+                dcp_save(state, storage_writer=writer)
+        # DCP gathers the ranks' failures and raises everywhere, a CheckpointException
+        # (a BaseException: ``except Exception`` misses it)
+        except (Exception, CheckpointException) as caught:
+            unpublished = _unpublished(caught)
+            if unpublished is not None:  # rank 0's keeps its cause (the publish's error)
+                raise unpublished from (unpublished.__cause__ or caught)
+            message = (
+                f"torch distributed checkpoint could not write {folder / DCP_FOLDER}: {caught}"
+            )
+            raise CheckpointError(message) from caught
+        return params
+
+    def read(
+        self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
+    ) -> None:
+        resharded = manifest.world_size != dist.get_world_size()
+        if backend.format_for(True) != self.name or (  # a backend that cannot take shards
+            resharded and not backend.reshards_sharded_state
+        ):
+            check_portable(manifest, source, backend, request)
+            state = read_dcp_full(source)
+            load_full(backend, state["model"], state.get("optim", {}), request, str(source))
+            return
+        state = sharded_state(backend, request.optimizers)
+        skipped = check_against(
+            _shapes_of(backend, state["model"]), manifest.params, str(source), request.strict
+        )
+        if skipped:
+            state["model"] = {k: v for k, v in state["model"].items() if k not in skipped}
+        folder = source / DCP_FOLDER
+        reader = _Reader(folder)  # reads the metadata once, for the checks here and DCP
+        if request.optimizers:
+            _check_group_count(request.optimizers, reader.keys(), str(source))
+        try:
+            if request.optimizers:
+                _drop_unsaved_optim_state(state["optim"], reader.keys())
+            with quiet_torch():
+                dcp_load(state, storage_reader=reader)
+        except (Exception, CheckpointException) as caught:  # the latter: a BaseException
+            message = (
+                f"torch distributed checkpoint could not read {folder} on rank "
+                f"{dist.get_rank()}: {caught}"
+            )
+            raise CheckpointError(message) from caught
+        backend.load_model_state(state["model"], full=False, strict=request.strict)
+        for key, optimizer in request.optimizers.items():
+            optim_state = state["optim"][key]
+            # One group saved, one here: every parameter is in its group, nothing to fit.
+            alone = len(optimizer.param_groups) == 1 == len(optim_state.get("param_groups", ()))
+            groups = None if alone else backend.optimizer_groups(optimizer)
+            if groups is not None:  # the saved groups' names, read back: each in its group
+                optim_state = fit_optimizer_groups(
+                    optim_state, groups, optimizer.param_groups, f"{source} ({key})", request.strict
+                )
+            backend.load_optim_state(optimizer, optim_state, full=False)
+
+
+def _check_group_count(optimizers: Optimizers, saved: set[str], source: str) -> None:
+    """Raise when a DCP checkpoint holds another number of param groups than an optimizer
+    (DCP would fail on the group it lacks, or ignore the one it holds in excess)."""
+    for key, optimizer in optimizers.items():
+        prefix = f"optim.{key}.param_groups."
+        count = len({k[len(prefix) :].split(".", 1)[0] for k in saved if k.startswith(prefix)})
+        if count and count != len(optimizer.param_groups):
+            message = (
+                f"{source} ({key}) does not fit this optimizer on rank {dist.get_rank()}: the "
+                f"saved optimizer has {count} parameter group(s), this optimizer "
+                f"{len(optimizer.param_groups)}. Build the optimizer with the same param "
+                "groups as the run that saved, or pass load_optimizer=False to load the "
+                "weights only."
+            )
+            raise CheckpointError(message)
+
+
+class PublishError(CheckpointError):
+    """Rank 0 could not publish a checkpoint whose files every rank wrote (its manifest,
+    the rename); raised by the ``publish`` step of `DcpFormat.write`."""
+
+
+class _Writer(FileSystemWriter):
+    """torch's writer of a DCP folder (its defaults, as ``dcp.save(checkpoint_id=...)``
+    builds it), running the save's own steps inside DCP's collectives: ``written`` on each
+    rank after its shards are written, ``finish`` on the coordinator (rank 0) after DCP's
+    metadata, when every rank's shards are written."""
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        written: Callable[[], None] | None,
+        finish: Callable[[], None] | None,
+    ) -> None:
+        super().__init__(str(folder))
+        self._written = written
+        self._finish = finish
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        writes = super().write_data(plan, planner)
+        if self._written is not None:
+            writes.wait()  # the files are whole (torch's writer has written them already)
+            self._written()
+        return writes
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        if self._finish is not None:
+            self._finish()
+
+
+def _unpublished(caught: BaseException) -> CheckpointError | None:
+    """The error to raise on this rank when DCP failed because rank 0's publish did: rank
+    0's own, or one naming it (as `Call.vote` names a failed rank)."""
+    failures = caught.failures if isinstance(caught, CheckpointException) else {}
+    for rank, (error, _) in failures.items():
+        if isinstance(error, PublishError):
+            if rank == dist.get_rank():
+                return error
+            text = f"{type(error).__name__}: {error}"
+            return CheckpointError(f"save_checkpoint failed on 1 rank(s): rank {rank}: {text}")
+    return None
+
+
+def _shapes_of(backend: Backend, sharded: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """`Backend.param_shapes`, from the sharded model state already taken when the backend
+    describes its shapes as the base adapter does (the global shapes of that same state:
+    asking again would cost one more state dict)."""
+    if type(backend).param_shapes is Backend.param_shapes:
+        with quiet_torch():
+            return describe_params(sharded)
+    return backend.param_shapes()
+
+
+class _Reader(FileSystemReader):
+    """torch's reader of a DCP folder, whose metadata file is read (unpickled) once: by
+    `keys` for the checks before the load, then given to DCP's own load as it is."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(str(folder))
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None or args or kwargs:  # a rank's own file: not cached
+            metadata = super().read_metadata(*args, **kwargs)
+            if args or kwargs:
+                return metadata
+            self._metadata = metadata
+        return self._metadata
+
+    def keys(self) -> set[str]:
+        """The flattened names of every entry the folder holds."""
+        return set(self.read_metadata().state_dict_metadata)
+
+
+def _drop_unsaved_optim_state(optim: dict[str, Any], saved: set[str]) -> None:
+    """Leave out of the optimizers' sharded states the parameters the checkpoint holds no
+    state for: the saver's optimizer had none for them (no gradient yet, as a parameter
+    unused so far), so they get none here either, as in the run that saved. torch builds
+    a state for every parameter before a load; DCP would refuse the missing entries."""
+    for key, state in optim.items():
+        entries = state.get("state") if isinstance(state, dict) else None
+        if not isinstance(entries, dict):
+            continue
+        for name in list(entries):
+            prefix = f"optim.{key}.state.{name}."
+            if not any(k.startswith(prefix) for k in saved):
+                del entries[name]
+
+
+def read_dcp_full(source: Path) -> dict[str, Any]:
+    """Every tensor of a checkpoint's DCP folder, full, in this process (no group needed)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    folder = source / DCP_FOLDER
+    if not (folder / ".metadata").is_file():
+        message = f"{folder} has no .metadata: the sharded checkpoint is incomplete or damaged"
+        raise CheckpointError(message)
+    state: dict[str, Any] = {}
+    try:
+        # What torch's dcp_to_torch_save does: the planner fills the dict from the metadata.
+        with quiet_torch():
+            _load_state_dict(
+                state,
+                storage_reader=FileSystemReader(str(folder)),
+                planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+                no_dist=True,
+            )
+    except (Exception, CheckpointException) as caught:  # the latter: a BaseException
+        message = f"torch distributed checkpoint could not read {folder}: {caught}"
+        raise CheckpointError(message) from caught
+    return state
