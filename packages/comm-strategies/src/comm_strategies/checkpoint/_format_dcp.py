@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+from torch.optim import Optimizer
 
 import comm_collectives as dist
 from comm_wrappers.backends import Backend
@@ -38,11 +39,10 @@ from ._params import check_against, describe_params, fit_optimizer_groups
 def sharded_state(backend: Backend, optimizers: Optimizers) -> dict[str, Any]:
     """``{"model": ..., "optim": {key: ...}}`` as DCP saves and loads it: every rank's own
     shards ("optim" only when there are optimizers)."""
-    state: dict[str, Any] = {"model": backend.model_state(full=False)}
+    model_state, optim_states = backend.sharded_state(optimizers)
+    state: dict[str, Any] = {"model": model_state}
     if optimizers:
-        state["optim"] = {
-            key: backend.optim_state(optimizer, full=False) for key, optimizer in optimizers.items()
-        }
+        state["optim"] = optim_states
     return state
 
 
@@ -125,7 +125,7 @@ class DcpFormat:
                 f"{dist.get_rank()}: {caught}"
             )
             raise CheckpointError(message) from caught
-        backend.load_model_state(state["model"], full=False, strict=request.strict)
+        fitted: dict[str, tuple[Optimizer, Mapping[str, Any]]] = {}
         for key, optimizer in request.optimizers.items():
             optim_state = state["optim"][key]
             # One group saved, one here: every parameter is in its group, nothing to fit.
@@ -135,7 +135,9 @@ class DcpFormat:
                 optim_state = fit_optimizer_groups(
                     optim_state, groups, optimizer.param_groups, f"{source} ({key})", request.strict
                 )
-            backend.load_optim_state(optimizer, optim_state, full=False)
+            fitted[key] = (optimizer, optim_state)
+        # the model, then each optimizer (one torch call for a model and one optimizer)
+        backend.load_sharded_state(state["model"], fitted, strict=request.strict)
 
 
 def _check_group_count(optimizers: Optimizers, saved: set[str], source: str) -> None:

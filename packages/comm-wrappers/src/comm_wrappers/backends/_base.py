@@ -280,12 +280,104 @@ class Backend:
         # was saved: it gets no state here either (torch's strict load would refuse it).
         # Only torch's check is relaxed: a parameter the saved groups do not list at all
         # is still refused.
-        if strict and _stateless_names(state):
-            self._refuse_unlisted(optimizer, state)
-            strict = False
+        strict = self._optim_strict(optimizer, state, strict=strict)
         options = dsd.StateDictOptions(full_state_dict=full, strict=strict)
         with quiet_torch():
             dsd.set_optimizer_state_dict(self._target(), optimizer, dict(state), options=options)
+
+    def sharded_state(
+        self, optimizers: Mapping[str, Optimizer]
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """The model's and each optimizer's own shards (collective under sharding).
+
+        What `model_state` and `optim_state` with ``full=False`` return, taken with one
+        call of torch's ``get_state_dict`` (one check of the model's names, not one per
+        state) when there is one optimizer and this backend keeps the base class's state
+        dicts; else with those methods.
+
+        Args:
+            optimizers: By a key of the caller's (an optimizer wrapper's names).
+
+        Returns:
+            ``(model_state, {key: optimizer_state})``.
+
+        Raises:
+            ValueError: The state has no per-parameter form (see `optimizer_not_portable`).
+        """
+        if len(optimizers) == 1 and self._base_state_dicts():
+            reason = self.optimizer_not_portable()
+            if reason is not None:
+                raise ValueError(reason)
+            ((key, optimizer),) = optimizers.items()
+            with quiet_torch():
+                model_state, optim_state = dsd.get_state_dict(self._target(), optimizer)
+            return dict(model_state), {key: dict(optim_state)}
+        model_state = self.model_state(full=False)
+        states = {
+            key: self.optim_state(optimizer, full=False) for key, optimizer in optimizers.items()
+        }
+        return model_state, states
+
+    def load_sharded_state(
+        self,
+        model_state: Mapping[str, Any],
+        optim_states: Mapping[str, tuple[Optimizer, Mapping[str, Any]]],
+        *,
+        strict: bool,
+    ) -> None:
+        """Load the model's and the optimizers' own shards, as `sharded_state` took them.
+
+        What `load_model_state` (``full=False``, ``strict``) then `load_optim_state`
+        (``full=False``) for each optimizer do, with one call of torch's
+        ``set_state_dict`` when there is one optimizer whose load is as strict as the
+        model's and this backend keeps the base class's state dicts.
+
+        Args:
+            model_state: By the user module's names.
+            optim_states: ``{key: (optimizer, its state)}``.
+            strict: Every name of the model must be in ``model_state``, and no other.
+
+        Raises:
+            ValueError: As `load_optim_state`.
+        """
+        if len(optim_states) == 1 and self._base_state_dicts():
+            ((optimizer, state),) = optim_states.values()
+            reason = self.optimizer_not_portable()
+            if reason is not None:
+                raise ValueError(reason)
+            if self._optim_strict(optimizer, state, strict=True) == strict:
+                options = dsd.StateDictOptions(strict=strict)
+                with quiet_torch():
+                    dsd.set_state_dict(
+                        self._target(),
+                        optimizer,
+                        model_state_dict=dict(model_state),
+                        optim_state_dict=dict(state),
+                        options=options,
+                    )
+                return
+        self.load_model_state(model_state, full=False, strict=strict)
+        for optimizer, state in optim_states.values():
+            self.load_optim_state(optimizer, state, full=False)
+
+    def _base_state_dicts(self) -> bool:
+        """Whether this backend's state dicts are the base class's (torch's functions)."""
+        cls = type(self)
+        return all(
+            getattr(cls, name) is getattr(Backend, name)
+            for name in ("model_state", "optim_state", "load_model_state", "load_optim_state")
+        )
+
+    def _optim_strict(
+        self, optimizer: Optimizer, state: Mapping[str, Any], *, strict: bool
+    ) -> bool:
+        """The ``strict`` of torch's optimizer load: off when the saved groups list
+        parameters without a state (their owner had no gradient yet), after checking that
+        no trainable parameter is missing from both the entries and the groups."""
+        if strict and _stateless_names(state):
+            self._refuse_unlisted(optimizer, state)
+            return False
+        return strict
 
     def optimizer_groups(self, optimizer: Optimizer) -> list[list[str]] | None:
         """Each of ``optimizer``'s param groups as the names of its parameters.
