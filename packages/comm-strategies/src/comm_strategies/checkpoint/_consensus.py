@@ -4,7 +4,9 @@ The checkpoint functions are collective. A rank that calls one alone must get an
 instead of waiting forever, so every call starts with `Call.enter`: a bounded exchange of
 small strings through the process group's store (comm_collectives' `rendezvous`: no
 tensor, no device sync), which also hands every rank the values it needs (the folder
-name, each rank's path). Before a part that moves data between the ranks, `Call.together`
+name, each rank's path); `Call.enter_sharing` also posts this rank's outcome of the local
+work done before it, so one exchange both enters and shares it (`Call.share` raises it).
+Before a part that moves data between the ranks, `Call.together`
 makes every rank wait for the others within what is left of the call's timeout (torch's
 collectives inside would wait for the process group's own). After the work that may
 fail on one rank, `Call.vote` shares
@@ -14,6 +16,7 @@ rank when any rank failed. Both turn the layer's errors into `CheckpointError`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -108,6 +111,28 @@ class Call:
                 f"ranks are only slow, raise the timeout ({_TIMEOUT_VARIABLE} or timeout=)."
             )
             raise CheckpointError(message) from error
+
+    def enter_sharing(self, value: str, error: BaseException | None) -> tuple[list[str], list[str]]:
+        """`enter`, with this rank's outcome of the work done before it (``error``, or
+        None) posted beside ``value``: one exchange where `enter` then `together` take two.
+
+        Returns:
+            Every rank's value and every rank's outcome (``""``: it did not fail), index =
+            rank; pass the outcomes to `share` once the values are checked.
+
+        Raises:
+            CheckpointError: As `enter`.
+        """
+        outcome = "" if error is None else _label(error)
+        entries = [json.loads(text) for text in self.enter(json.dumps([value, outcome]))]
+        return [str(entry[0]) for entry in entries], [str(entry[1]) for entry in entries]
+
+    def share(self, error: BaseException | None, outcomes: list[str]) -> None:
+        """Raise on every rank when any rank's outcome (from `enter_sharing`) is a failure,
+        naming each failed rank, as `together` does."""
+        failures = [(rank, text) for rank, text in enumerate(outcomes) if text]
+        if failures:
+            raise _failed(self.operation, error, failures, error)
 
     def together(self, step: str, error: BaseException | None = None) -> None:
         """Wait until every rank reached ``step``, before a part that moves data between

@@ -1,8 +1,11 @@
 """``load_checkpoint`` and ``find_latest``: any checkpoint of the contract into any model.
 
-The steps: every rank enters with the same path or every rank raises (`Call.enter`);
-the reader of the checkpoint's format (`_formats`) loads the model and optimizer through
-the model's backend adapter; then the scalers, schedulers, RNG and user state.
+The steps: every rank finds what is at the path (its manifest read) and enters with the
+same path and that outcome, or every rank raises (`Call.enter_sharing`: one store
+exchange; with ``timeout=``, `Call.enter` then `Call.together` after the manifest, so a
+rank late in reading is named at that step); the reader of the checkpoint's format
+(`_formats`) loads the model and optimizer through the model's backend adapter; then the
+scalers, schedulers, RNG and user state.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,36 +82,24 @@ def load_checkpoint(
     """
     _async.wait_previous()  # a checkpoint still being written by an async save
     backend = backend_of(model)
+    # before the call takes its number: a rank that raises here takes none
+    optimizers = named_optimizers(optim_wrapper) if load_optimizer else {}
     call = Call("load_checkpoint", timeout)
     source = Path(path).absolute()
-    entries = call.enter(str(source))
-    if len(set(entries)) > 1:
-        message = (
-            f"load_checkpoint: the ranks passed different paths ({sorted(set(entries))}); "
-            "every rank must pass the same checkpoint"
-        )
-        raise CheckpointError(message)
-    optimizers = named_optimizers(optim_wrapper) if load_optimizer else {}
-    request = LoadRequest(strict, optimizers, allow_unsafe_pickle)
-    # What this rank finds at the path; before the part that moves data between the ranks
-    # every rank is there, and a rank that failed here makes every rank raise at once.
-    kind, manifest, error = "", None, None
-    try:
-        if source.is_file():
-            kind = "file"
-        elif not source.exists():
-            message = f"checkpoint {source} does not exist"
-            raise CheckpointError(message)
-        elif not (source / MANIFEST_NAME).is_file() and ds_files.is_deepspeed_folder(source):
-            kind = "deepspeed"
-        else:
-            manifest = read_manifest(source)
-            request = LoadRequest(
-                strict, _saved_optimizers(source, manifest, optimizers), allow_unsafe_pickle
-            )
-    except Exception as caught:
-        error = caught
-    call.together("reading", error)
+    if call.deadline is None:
+        # One exchange: what this rank finds at the path first, then the entry, which
+        # shares it (a rank that failed makes every rank raise, before the data moves).
+        found = _find(source, strict, optimizers, allow_unsafe_pickle)
+        entries, outcomes = call.enter_sharing(str(source), found.error)
+        _same_paths(entries)
+        call.share(found.error, outcomes)
+    else:
+        # With timeout=: the entry, then a meeting bounded by what is left of it, which
+        # names a rank late in reading the manifest.
+        _same_paths(call.enter(str(source)))
+        found = _find(source, strict, optimizers, allow_unsafe_pickle)
+        call.together("reading", found.error)
+    kind, manifest, request = found.kind, found.manifest, found.request
     if kind == "file":
         _load_plain_file(source, backend, request)
         return {}
@@ -128,6 +120,53 @@ def load_checkpoint(
         source / EXTRA_FILE, allow_unsafe_pickle=allow_unsafe_pickle, what="user state"
     )
     return dict(extra)
+
+
+@dataclass
+class _Found:
+    """What one rank finds at the path: the kind of checkpoint, its manifest, what to
+    load, or why it cannot."""
+
+    kind: str
+    manifest: Manifest | None
+    request: LoadRequest
+    error: Exception | None
+
+
+def _find(
+    source: Path,
+    strict: bool,
+    optimizers: dict[str, torch.optim.Optimizer],
+    allow_unsafe_pickle: bool,
+) -> _Found:
+    """What this rank finds at ``source`` (no collective): a failure is returned, to be
+    shared with the other ranks before the part that moves data between them."""
+    found = _Found("", None, LoadRequest(strict, optimizers, allow_unsafe_pickle), None)
+    try:
+        if source.is_file():
+            found.kind = "file"
+        elif not source.exists():
+            message = f"checkpoint {source} does not exist"
+            raise CheckpointError(message)
+        elif not (source / MANIFEST_NAME).is_file() and ds_files.is_deepspeed_folder(source):
+            found.kind = "deepspeed"
+        else:
+            found.manifest = read_manifest(source)
+            found.request = LoadRequest(
+                strict, _saved_optimizers(source, found.manifest, optimizers), allow_unsafe_pickle
+            )
+    except Exception as caught:
+        found.error = caught
+    return found
+
+
+def _same_paths(entries: list[str]) -> None:
+    if len(set(entries)) > 1:
+        message = (
+            f"load_checkpoint: the ranks passed different paths ({sorted(set(entries))}); "
+            "every rank must pass the same checkpoint"
+        )
+        raise CheckpointError(message)
 
 
 def _saved_optimizers(
