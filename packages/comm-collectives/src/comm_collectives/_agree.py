@@ -27,7 +27,7 @@ from comm_core import (
 )
 
 from ._faults import transport
-from ._route import gather_rows, header_route
+from ._route import gather_rows, header_route, settle
 from ._store import check_timeout
 
 __all__ = ["agree", "failure_of", "gather_and_raise", "raise_everywhere"]
@@ -85,8 +85,11 @@ def agree(
     with transport(operation, route):
         # each rank's vote, where any 1 means a failure (an all-to-all on the CPU: cheaper
         # in front of a large transfer than gloo's all-reduce, see ``gather_rows``)
-        work = gather_rows(votes, flag, route, async_op=timeout is not None)
-        if work is not None and timeout is not None:
+        work = gather_rows(votes, flag, route, async_op=True)
+        assert work is not None
+        if timeout is None:
+            settle(work)
+        else:
             try:
                 work.wait(timeout=timedelta(seconds=timeout))
             except RuntimeError as exc:

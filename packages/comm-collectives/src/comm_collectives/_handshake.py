@@ -42,7 +42,7 @@ from ._compact import compact_vote, uses_compact_vote
 from ._faults import transport
 from ._frame import HEADER_BYTES, MAX_DIMS, Header, Inline, Peer, check_versions, decode
 from ._modes import debug_enabled
-from ._route import gather_rows, header_route
+from ._route import gather_rows, header_route, settle
 
 __all__ = [
     "PendingHandshake",
@@ -225,7 +225,7 @@ class PendingHandshake:
         header, route = self._header, self._route
         if self._work is not None:
             with transport(header.operation, route):
-                self._work.wait()
+                settle(self._work)
         assert self._table is not None
         return _read_table(header, route, self._state, self._capacity, self._table, same, hint)
 

@@ -7,6 +7,8 @@ host keeps running ahead.
 
 from __future__ import annotations
 
+import os
+import time
 import weakref
 
 import torch
@@ -14,7 +16,15 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_cpu_group
 
-__all__ = ["all_gather_flat", "gather_rows", "header_route", "side_channel", "twins"]
+__all__ = [
+    "SPIN_SECONDS",
+    "all_gather_flat",
+    "gather_rows",
+    "header_route",
+    "settle",
+    "side_channel",
+    "twins",
+]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the packages support >= 2.4.
 all_gather_flat = (
@@ -49,6 +59,33 @@ def gather_rows(
     copies.view(world, -1).copy_(mine.view(1, -1).expand(world, -1))
     handle = torch_dist.all_to_all_single(out, copies, group=group, async_op=async_op)
     return handle
+
+
+# How long a rank polls a small exchange (a handshake, a vote) before it blocks on it.
+SPIN_SECONDS = 0.002
+
+_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+
+
+def settle(work: torch_dist.Work) -> None:
+    """Wait for ``work``, a small exchange that the data waits behind.
+
+    The rank polls it for up to ``SPIN_SECONDS``, giving its core away between polls, then
+    blocks on it as torch's ``wait`` does (the process group's timeout bounds both). A
+    blocked thread is woken only after the backend's thread has signalled it and the
+    scheduler has run it again; polling saves that hand-over on the critical path, where a
+    collective's data waits for the frames. Measured on two loopback gloo ranks bound to a
+    core each: a 4 KiB all-to-all in front of a 32 MB scatter cost 1.04-1.14x the bare
+    scatter blocked, 0.98-1.09x polled (4 runs of 60 pairs each); polling without giving
+    the core away was 1.4x, because gloo's own threads need that core.
+    """
+    deadline = time.perf_counter() + SPIN_SECONDS
+    try:
+        while not work.is_completed() and time.perf_counter() < deadline:
+            _yield()
+    except RuntimeError:  # the work failed: its wait raises the backend's error
+        pass
+    work.wait()
 
 
 # None: automatic; True forces the CPU route, False keeps the headers on the communication
