@@ -6,6 +6,12 @@ meeting before the data moves). A rank that cannot read the manifest still makes
 rank raise at once, naming it, and the calls stay in step; ranks that pass different
 paths are still told so on every rank. With ``timeout=`` the meeting stays a step of its
 own (a rank late in reading is named at it: test_checkpoint.py).
+
+Without ``timeout=``, a ``dcp`` save (FSDP2 here) makes one exchange too, its entry: the
+outcome of every rank's small files (RNG state; on rank 0 the schedulers, scaler and
+user state) travels in DCP's first step instead of a meeting of its own. A rank whose
+small files failed still makes every rank raise, naming it, with nothing left behind
+(neither the checkpoint nor its temporary folder), and the next save works.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import comm_collectives as dist
@@ -125,3 +132,92 @@ def test_a_failure_before_the_data_moves_still_fails_every_rank_at_once(
         assert "the ranks passed different paths" in message, message
         assert result["paths_took"] < 10.0, result["paths_took"]
         assert result["after"] == ("", ""), result["after"]
+
+
+def save_exchanges(root: str) -> dict[str, Any]:
+    from tests.helpers import full_params
+    from tests.strategies.ckpt_models import build, train_step
+
+    out: dict[str, Any] = {}
+    model, optim = build("fsdp2")
+    train_step(model, optim, 0)
+    before = {k: v.clone() for k, v in full_params(model).items()}
+    for name, timeout in (("default", None), ("timeout", 60.0)):
+        with _CountExchanges() as exchanges:
+            path = save_checkpoint(
+                f"{root}/{name}", model=model, optim_wrapper=optim, strategy="fsdp2",
+                timeout=timeout,
+            )  # fmt: skip
+        out[f"{name}_exchanges"] = exchanges.calls
+        out[f"{name}_files"] = sorted(p.name for p in path.iterdir())
+    train_step(model, optim, 1)  # away from what was saved
+    load_checkpoint(f"{root}/default", model=model, optim_wrapper=optim)
+    out["restored"] = max(float((v - before[k]).abs().max()) for k, v in full_params(model).items())
+    return out
+
+
+def test_a_dcp_save_without_timeout_makes_one_exchange(
+    comm_run_distributed: Any, tmp_path: Path
+) -> None:
+    results = comm_run_distributed(save_exchanges, str(tmp_path), timeout=120)
+    for result in results:
+        assert result["default_exchanges"] == 1, result
+        # the entry, then the meeting before the data moves, bounded by timeout=, then
+        # the outcome vote (rank 0 publishes after it)
+        assert result["timeout_exchanges"] >= 2, result
+        assert result["default_files"] == result["timeout_files"]
+        assert "rng" in result["default_files"]
+        assert "manifest.json" in result["default_files"]
+        assert result["restored"] == 0.0
+
+
+def small_files_fail_on_one_rank(root: str, failing: int) -> dict[str, Any]:
+    """Rank ``failing`` cannot capture its RNG state (a dcp save, no timeout=): every rank
+    must raise at once naming it; nothing is left; then a save and a load work."""
+    from comm_strategies.checkpoint import _rng
+    from tests.strategies.ckpt_models import build, train_step
+
+    out: dict[str, Any] = {}
+    model, optim = build("fsdp2")
+    train_step(model, optim, 0)
+    capture = _rng.capture
+    if dist.get_rank() == failing:
+
+        def broken() -> dict[str, Any]:
+            raise RuntimeError("no generator here")
+
+        _rng.capture = broken
+    start = time.monotonic()
+    out["failed"] = caught(
+        save_checkpoint, f"{root}/broken", model=model, optim_wrapper=optim, strategy="fsdp2"
+    )
+    out["took"] = time.monotonic() - start
+    _rng.capture = capture
+    dist.barrier()  # rank 0's clean-up is done before the folder is listed
+    out["left"] = sorted(p.name for p in Path(root).iterdir())
+    out["after"] = caught(
+        save_checkpoint, f"{root}/good", model=model, optim_wrapper=optim, strategy="fsdp2"
+    )
+    out["load"] = caught(load_checkpoint, f"{root}/good", model=model, optim_wrapper=optim)
+    return out
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_dcp_save_whose_small_files_fail_on_one_rank_fails_every_rank(
+    comm_run_distributed: Any, tmp_path: Path, failing: int
+) -> None:
+    root = tmp_path / f"rank{failing}"
+    root.mkdir()
+    results = comm_run_distributed(small_files_fail_on_one_rank, str(root), failing, timeout=120)
+    for rank, result in enumerate(results):
+        name, message = result["failed"]
+        assert name == "CheckpointError", message
+        assert f"rank {failing}" in message, message
+        assert "writing RNG state" in message, message
+        assert "no generator here" in message, message
+        if rank != failing:
+            assert message.startswith("save_checkpoint failed on 1 rank(s)"), message
+        assert result["took"] < 10.0, result["took"]  # not a timeout
+        assert result["left"] == [], result["left"]  # no checkpoint, no temporary folder
+        assert result["after"] == ("", ""), result["after"]
+        assert result["load"] == ("", ""), result["load"]

@@ -61,6 +61,7 @@ class DcpFormat:
         *,
         written: Callable[[], None] | None = None,
         publish: Callable[[dict[str, list[Any]]], None] | None = None,
+        failed: BaseException | None = None,
     ) -> dict[str, list[Any]]:
         """Write every rank's shards (collective); return the model's shapes.
 
@@ -68,8 +69,12 @@ class DcpFormat:
         rank 0 only) runs with the shapes inside DCP's last step, once every rank's shards
         and DCP's metadata are written: DCP then hands its outcome to every rank, and a
         failure of ``publish`` raises on every rank, as a failure to write does.
+        ``failed``: this rank's failure before the write (its small files); it fails
+        DCP's first step (the plan, before any shard is written), whose outcome DCP hands
+        every rank, so that every rank raises `EarlyFailures` naming each failed rank.
 
         Raises:
+            EarlyFailures: On every rank, when a rank passed ``failed``.
             CheckpointError: On every rank, when any rank failed to write or ``publish``
                 failed.
         """
@@ -77,13 +82,17 @@ class DcpFormat:
         with quiet_torch():  # the shapes of the state written (global shapes of shards)
             params = describe_params(state["model"])
         finish = None if publish is None else lambda: publish(params)
-        writer = _Writer(folder / DCP_FOLDER, written=written, finish=finish)
+        refusal = None if failed is None else _FailedBefore(f"{type(failed).__name__}: {failed}")
+        writer = _Writer(folder / DCP_FOLDER, written=written, finish=finish, refusal=refusal)
         try:
             with quiet_torch():
                 dcp_save(state, storage_writer=writer)
         # DCP gathers the ranks' failures and raises everywhere, a CheckpointException
         # (a BaseException: ``except Exception`` misses it)
         except (Exception, CheckpointException) as caught:
+            early = _early_failures(caught)
+            if early is not None:
+                raise early from (failed or caught)
             unpublished = _unpublished(caught)
             if unpublished is not None:  # rank 0's keeps its cause (the publish's error)
                 raise unpublished from (unpublished.__cause__ or caught)
@@ -157,6 +166,37 @@ def _check_group_count(optimizers: Optimizers, saved: set[str], source: str) -> 
             raise CheckpointError(message)
 
 
+class EarlyFailures(CheckpointError):
+    """Ranks failed before the write (`DcpFormat.write`'s ``failed``), found in DCP's plan.
+
+    Attributes:
+        outcomes: Each rank's failure (``"Type: message"``), ``""`` for a rank that did
+            not fail; index = rank.
+    """
+
+    def __init__(self, message: str, outcomes: list[str]) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
+class _FailedBefore(Exception):
+    """A rank's failure before the write, raised in DCP's plan step (DCP pickles it to the
+    coordinator and hands it every rank); its message is ``"Type: message"``."""
+
+
+def _early_failures(caught: BaseException) -> EarlyFailures | None:
+    """`EarlyFailures` when DCP failed because ranks raised `_FailedBefore`, else None."""
+    failures = caught.failures if isinstance(caught, CheckpointException) else {}
+    outcomes = [""] * dist.get_world_size()
+    for rank, (error, _) in failures.items():
+        if isinstance(error, _FailedBefore) and 0 <= rank < len(outcomes):
+            outcomes[rank] = str(error)
+    if not any(outcomes):
+        return None
+    named = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(outcomes) if text)
+    return EarlyFailures(f"ranks failed before the write: {named}", outcomes)
+
+
 class PublishError(CheckpointError):
     """Rank 0 could not publish a checkpoint whose files every rank wrote (its manifest,
     the rename); raised by the ``publish`` step of `DcpFormat.write`."""
@@ -164,9 +204,10 @@ class PublishError(CheckpointError):
 
 class _Writer(FileSystemWriter):
     """torch's writer of a DCP folder (its defaults, as ``dcp.save(checkpoint_id=...)``
-    builds it), running the save's own steps inside DCP's collectives: ``written`` on each
-    rank after its shards are written, ``finish`` on the coordinator (rank 0) after DCP's
-    metadata, when every rank's shards are written."""
+    builds it), running the save's own steps inside DCP's collectives: ``refusal`` (this
+    rank's failure before the write) raised in the plan step, before anything is written;
+    ``written`` on each rank after its shards are written, ``finish`` on the coordinator
+    (rank 0) after DCP's metadata, when every rank's shards are written."""
 
     def __init__(
         self,
@@ -174,10 +215,17 @@ class _Writer(FileSystemWriter):
         *,
         written: Callable[[], None] | None,
         finish: Callable[[], None] | None,
+        refusal: Exception | None = None,
     ) -> None:
         super().__init__(str(folder))
         self._written = written
         self._finish = finish
+        self._refusal = refusal
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self._refusal is not None:
+            raise self._refusal
+        return super().prepare_local_plan(plan)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         writes = super().write_data(plan, planner)

@@ -9,11 +9,15 @@ on the outcome; rank 0 writes the manifest, renames the folder into place
 (`_publish.finish`) and, with ``keep_last``, removes the older checkpoints beside it
 (`_publish.retain`); a last vote makes that outcome every rank's.
 
-The ``dcp`` format saves two of those exchanges: the small files are written before the
-meeting, which shares their outcome; DCP's own collectives raise a failure to write a
-shard on every rank, so no vote follows the write; and without ``timeout=`` rank 0
-publishes inside DCP's last step (`DcpFormat.write`'s ``publish``), whose outcome DCP
-hands every rank (with ``timeout=``, the last vote, bounded by it, shares it instead).
+The ``dcp`` format saves most of those exchanges: the small files are written first and
+their outcome is shared before the data moves (without ``timeout=`` inside DCP's first
+step, the plan: a rank whose files failed fails it and DCP hands that to every rank,
+`DcpFormat.write`'s ``failed``; with ``timeout=`` by the meeting, bounded by it); DCP's
+own collectives raise a failure to write a shard on every rank, so no vote follows the
+write; and without ``timeout=`` rank 0 publishes inside DCP's last step
+(`DcpFormat.write`'s ``publish``), whose outcome DCP hands every rank (with ``timeout=``,
+the last vote, bounded by it, shares it instead). Without ``timeout=`` a ``dcp`` save
+makes one store exchange, the entry.
 With ``async_save`` the state is copied to the CPU instead of written, and a background
 thread writes it and publishes (`_async`, whose docstring says how the ranks agree
 without a collective).
@@ -43,7 +47,7 @@ from ._consensus import WRITE_TIMEOUT_S, Call, where
 from ._errors import CheckpointError
 from ._files import write_json
 from ._format_common import Attempts, quiet_torch
-from ._format_dcp import DcpFormat, PublishError, sharded_state
+from ._format_dcp import DcpFormat, EarlyFailures, PublishError, sharded_state
 from ._formats import FORMATS
 from ._layout import DEFAULT_KEY
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
@@ -154,9 +158,10 @@ def save_checkpoint(
         timeout: Seconds the whole call may take on this rank (entering, every rank
             reaching the write, the outcome shared); default: ``COMM_CHECKPOINT_TIMEOUT``
             or 300 for entering and reaching the write, an hour for the outcome (the
-            ``dcp`` format has no outcome vote then: rank 0 publishes inside DCP's last
-            step). A write already under way is bounded by the process group's own
-            timeout.
+            ``dcp`` format has neither that meeting nor the vote then: its ranks meet in
+            DCP's first step and rank 0 publishes inside DCP's last one, both bounded by
+            the process group's own timeout). A write already under way is bounded by
+            the process group's own timeout.
         async_save: Copy the state to the CPU, return a `SaveHandle` at once, and write
             and publish in a background thread while training goes on (formats ``full``
             and ``dcp``; DeepSpeed's own files are written before the call returns, and
@@ -221,29 +226,40 @@ def save_checkpoint(
     scalers: dict[str, Any] = {}
     if early:
         scalers = write_side_files(attempts, temporary, optim_wrapper, schedulers, extra)
-    try:  # what comes next moves data between the ranks: every rank is there first
-        call.together("writing", attempts.error if early else None)
-    except CheckpointError:
-        if dist.get_rank() == 0:
-            _publish.abandon(temporary)
-        raise
+    # Without timeout=, DCP's first step (the plan, before any shard is written) is where
+    # the ranks meet and the small files' outcome is shared: a rank whose files failed
+    # fails the plan, and DCP hands that to every rank. With timeout=, a meeting bounded
+    # by it comes first (DCP's collectives wait for the process group's timeout only).
+    in_plan = early and call.deadline is None
+    if not in_plan:
+        try:  # what comes next moves data between the ranks: every rank is there first
+            call.together("writing", attempts.error if early else None)
+        except CheckpointError:
+            if dist.get_rank() == 0:
+                _publish.abandon(temporary)
+            raise
     if background:
         return _start_async(
             call, final, temporary, attempts, backend, optimizers, record, keep_last,
             (optim_wrapper, schedulers, extra),
         )  # fmt: skip
     leader = dist.get_rank() == 0
-    if early and call.deadline is None:
+    if in_plan:
         # No timeout= to bound the wait for rank 0's publish: it is DCP's last step
         # (inside the collective that ends the write), whose outcome DCP gives every rank.
         def publish(params: dict[str, list[Any]]) -> None:
             _publish_or_raise(record, params, bool(scalers), temporary, final, keep_last)
 
         try:
-            DcpFormat().write(
-                backend, optimizers, temporary, attempts,
-                written=lambda: _hook("written"), publish=publish if leader else None,
-            )  # fmt: skip
+            try:
+                DcpFormat().write(
+                    backend, optimizers, temporary, attempts,
+                    written=lambda: _hook("written"), publish=publish if leader else None,
+                    failed=attempts.error,
+                )  # fmt: skip
+            except EarlyFailures as early_failures:  # as the meeting would raise them
+                call.share(attempts.error, early_failures.outcomes)
+                raise
         except CheckpointError:
             if leader:  # a failed save leaves nothing behind
                 _publish.abandon(temporary)
