@@ -12,6 +12,9 @@ outcome of every rank's small files (RNG state; on rank 0 the schedulers, scaler
 user state) travels in DCP's first step instead of a meeting of its own. A rank whose
 small files failed still makes every rank raise, naming it, with nothing left behind
 (neither the checkpoint nor its temporary folder), and the next save works.
+
+A load reads each rank's RNG state before its entry too (set once the rest is loaded):
+a rank whose RNG file cannot be read fails the call on every rank before anything loads.
 """
 
 from __future__ import annotations
@@ -221,3 +224,49 @@ def test_a_dcp_save_whose_small_files_fail_on_one_rank_fails_every_rank(
         assert result["left"] == [], result["left"]  # no checkpoint, no temporary folder
         assert result["after"] == ("", ""), result["after"]
         assert result["load"] == ("", ""), result["load"]
+
+
+def rng_file_unreadable_on_one_rank(root: str) -> dict[str, Any]:
+    """Rank 1's RNG file is cut short: the load must fail on every rank before anything is
+    loaded (each rank's RNG state is read before the entry, whose exchange shares the
+    outcome), and a load of a whole checkpoint must work after it."""
+    out: dict[str, Any] = {}
+    model, optim = _model(0)
+    damaged = save_checkpoint(f"{root}/damaged", model=model, optim_wrapper=optim, strategy="ddp")
+    whole = save_checkpoint(f"{root}/whole", model=model, optim_wrapper=optim, strategy="ddp")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        rng_file = damaged / "rng" / "rank_1.pt"
+        data = rng_file.read_bytes()
+        rng_file.write_bytes(data[: len(data) // 2])
+    dist.barrier()
+    other, other_optim = _model(1)
+    untouched = {k: v.clone() for k, v in other.state_dict().items()}
+    start = time.monotonic()
+    out["damaged"] = caught(load_checkpoint, damaged, model=other, optim_wrapper=other_optim)
+    out["took"] = time.monotonic() - start
+    out["changed"] = max(
+        float((other.state_dict()[k] - v).abs().max()) for k, v in untouched.items()
+    )
+    out["whole"] = caught(load_checkpoint, whole, model=other, optim_wrapper=other_optim)
+    out["loaded"] = max(
+        float((other.state_dict()[k] - v).abs().max()) for k, v in model.state_dict().items()
+    )
+    return out
+
+
+def test_an_unreadable_rng_file_fails_every_rank_before_anything_loads(
+    comm_run_distributed: Any, tmp_path: Path
+) -> None:
+    results = comm_run_distributed(rng_file_unreadable_on_one_rank, str(tmp_path), timeout=120)
+    for rank, result in enumerate(results):
+        name, message = result["damaged"]
+        assert name == "CheckpointError", message
+        assert "RNG state" in message, message
+        assert "rank_1.pt is truncated or corrupt" in message, message
+        if rank == 0:  # rank 1 raises its own error, the others one naming it
+            assert "load_checkpoint failed on 1 rank(s): rank 1: CheckpointError" in message
+        assert result["took"] < 10.0, result["took"]
+        assert result["changed"] == 0.0  # nothing was loaded on any rank
+        assert result["whole"] == ("", ""), result["whole"]
+        assert result["loaded"] == 0.0

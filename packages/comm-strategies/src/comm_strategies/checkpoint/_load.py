@@ -89,7 +89,7 @@ def load_checkpoint(
     if call.deadline is None:
         # One exchange: what this rank finds at the path first, then the entry, which
         # shares it (a rank that failed makes every rank raise, before the data moves).
-        found = _find(source, strict, optimizers, allow_unsafe_pickle)
+        found = _find(source, strict, optimizers, allow_unsafe_pickle, load_rng)
         entries, outcomes = call.enter_sharing(str(source), found.error)
         _same_paths(entries)
         call.share(found.error, outcomes)
@@ -97,7 +97,7 @@ def load_checkpoint(
         # With timeout=: the entry, then a meeting bounded by what is left of it, which
         # names a rank late in reading the manifest.
         _same_paths(call.enter(str(source)))
-        found = _find(source, strict, optimizers, allow_unsafe_pickle)
+        found = _find(source, strict, optimizers, allow_unsafe_pickle, load_rng)
         call.together("reading", found.error)
     kind, manifest, request = found.kind, found.manifest, found.request
     if kind == "file":
@@ -112,8 +112,8 @@ def load_checkpoint(
         _load_scalers(source, optim_wrapper, allow_unsafe_pickle)
     if load_schedulers and schedulers:
         _load_schedulers(source, manifest, schedulers, allow_unsafe_pickle)
-    if load_rng:
-        _load_rng(source, manifest, allow_unsafe_pickle)
+    if found.rng is not None:  # read before the entry, set now that the rest is loaded
+        _rng.restore(found.rng)
     if not manifest.extra_keys:
         return {}
     extra = load_tensor_file(
@@ -131,6 +131,7 @@ class _Found:
     manifest: Manifest | None
     request: LoadRequest
     error: Exception | None
+    rng: dict[str, Any] | None = None  # this rank's saved generator states, to restore
 
 
 def _find(
@@ -138,9 +139,14 @@ def _find(
     strict: bool,
     optimizers: dict[str, torch.optim.Optimizer],
     allow_unsafe_pickle: bool,
+    load_rng: bool,
 ) -> _Found:
     """What this rank finds at ``source`` (no collective): a failure is returned, to be
-    shared with the other ranks before the part that moves data between them."""
+    shared with the other ranks before the part that moves data between them.
+
+    With ``load_rng``, this rank's RNG state is read here too (set once the rest is
+    loaded): a file that cannot be read fails the call on every rank before any data
+    moves, and the read overlaps the wait for the other ranks' entry."""
     found = _Found("", None, LoadRequest(strict, optimizers, allow_unsafe_pickle), None)
     try:
         if source.is_file():
@@ -155,6 +161,8 @@ def _find(
             found.request = LoadRequest(
                 strict, _saved_optimizers(source, found.manifest, optimizers), allow_unsafe_pickle
             )
+            if load_rng:
+                found.rng = _read_rng(source, found.manifest, allow_unsafe_pickle)
     except Exception as caught:
         found.error = caught
     return found
@@ -261,21 +269,22 @@ def _load_schedulers(
         scheduler.load_state_dict(state)
 
 
-def _load_rng(source: Path, manifest: Manifest, unsafe: bool) -> None:
+def _read_rng(source: Path, manifest: Manifest, unsafe: bool) -> dict[str, Any] | None:
+    """This rank's saved generator states, or None when the checkpoint has none for it."""
     me = dist.get_rank()
     if not manifest.rng_ranks:  # converted offline: no generator state saved
-        return
+        return None
     if me not in manifest.rng_ranks:
         warnings.warn(
             f"{source} was saved by {manifest.world_size} rank(s): rank {me} has no RNG "
             "state there and keeps its own",
-            stacklevel=3,
+            stacklevel=4,
         )
-        return
+        return None
     state = load_tensor_file(
         source / RNG_FOLDER / f"rank_{me}.pt", allow_unsafe_pickle=unsafe, what="RNG state"
     )
-    _rng.restore(state)
+    return dict(state)
 
 
 def find_latest(work_dir: str | os.PathLike[str]) -> Path | None:
