@@ -55,7 +55,7 @@ def _quiet_redistribute() -> Iterator[None]:
 
 def _describe_mesh(mesh: Any) -> str:
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    sizes = mesh.mesh.shape
+    sizes = mesh.shape
     return ",".join(f"{name}={size}" for name, size in zip(names, sizes, strict=True))
 
 
