@@ -1,8 +1,9 @@
 """How a sharded (DCP) save shares its outcome, on 2 real gloo ranks.
 
 A save of the ``dcp`` format writes the small files (RNG states, schedulers, user state)
-before the exchange that precedes the data, so a failure there raises on every rank
-before DCP starts; DCP's own collectives then raise a failure to write a shard on every
+first, and shares their outcome before any data moves (with ``timeout=``, in the exchange
+that precedes the data; without it, in DCP's plan step: test_checkpoint_exchanges.py), so
+a failure there raises on every rank before DCP writes; DCP's own collectives then raise a failure to write a shard on every
 rank; rank 0 publishes (manifest, rename) inside DCP's last step when the call has no
 ``timeout=``, or before a vote bounded by it when it has one. Every failure must raise on
 every rank, naming the rank, and leave neither the checkpoint nor its temporary folder;
