@@ -198,6 +198,7 @@ def small_files_fail_on_one_rank(root: str, failing: int) -> dict[str, Any]:
     _rng.capture = capture
     dist.barrier()  # rank 0's clean-up is done before the folder is listed
     out["left"] = sorted(p.name for p in Path(root).iterdir())
+    dist.barrier()  # every rank has listed before rank 0 makes the next save's folder
     out["after"] = caught(
         save_checkpoint, f"{root}/good", model=model, optim_wrapper=optim, strategy="fsdp2"
     )
