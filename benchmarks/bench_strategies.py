@@ -30,7 +30,7 @@ one repeat to the next; the tables give medians over the repeats, and each ratio
 median over the repeats of the ratio of the two samples taken in the same repeat.
 
     python benchmarks/bench_strategies.py [--smoke] [--repeats N] [--out DIR] [--no-bind]
-        [--only steps|model_parallel]
+        [--only steps|model_parallel] [--hidden WIDTH]
 
 ``--only steps`` runs the 2-rank world alone, ``--only model_parallel`` the 4-rank one.
 Writes DIR/results.md and DIR/results.json.
@@ -56,7 +56,8 @@ from torch import nn
 
 from comm_core.testing import WorldPool
 
-HIDDEN = 512
+# The MLP's width: --hidden sets it for the ranks through this variable (default 512)
+HIDDEN = int(os.environ.get("COMM_BENCH_HIDDEN", "512"))
 BATCH = 32
 Step = Callable[[tuple[torch.Tensor, torch.Tensor]], None]
 
@@ -425,7 +426,8 @@ def to_markdown(result: dict[str, Any], repeats: int, steps: int) -> str:
     if mp:
         lines += [
             "",
-            f"World of 4 gloo ranks (data parallel 2 x tensor parallel 2), the same MLP, "
+            f"World of 4 gloo ranks (data parallel 2 x tensor parallel 2), MLP "
+            f"128-{HIDDEN}-{HIDDEN}-16, "
             f"batch {BATCH} per data-parallel rank, AdamW; {repeats} interleaved repeats "
             f"(steps: {steps} per sample; checkpoints: model and AdamW state, ms per save or "
             "load), medians.",
@@ -442,12 +444,19 @@ def to_markdown(result: dict[str, Any], repeats: int, steps: int) -> str:
 
 
 def main() -> int:
+    global HIDDEN
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a quick run that checks the script")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20, help="steps per sample")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-bind", action="store_true", help="do not bind ranks to cores")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=HIDDEN,
+        help="the MLP's hidden width (default 512); a wider model shows what is fixed per call",
+    )
     parser.add_argument(
         "--only",
         choices=("steps", "model_parallel"),
@@ -456,8 +465,13 @@ def main() -> int:
     )
     args = parser.parse_args()
     repeats, steps = (2, 2) if args.smoke else (args.repeats, args.steps)
-    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "COMM_BENCH_HIDDEN": str(args.hidden),
+    }
     os.environ.update(env)
+    HIDDEN = args.hidden  # for the tables' text (the ranks read the variable)
     # Imported here first, once: mmengine writes yapf's grammar cache on its first import,
     # and two ranks doing that at once may read each other's half-written file.
     for module in ("mmengine.model", "deepspeed"):
