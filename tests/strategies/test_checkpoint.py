@@ -34,6 +34,7 @@ from comm_strategies.checkpoint import (
 )
 from comm_wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel2, OptimWrapper
 from tests.helpers import caught, full_params, max_diff
+from tests.strategies.ckpt_faults import manifest_unreadable_on
 from tests.strategies.ckpt_models import (
     KINDS,
     build,
@@ -471,23 +472,16 @@ def one_rank_fails_before_reading(root: str) -> dict[str, Any]:
     optimizers under other names. Each call must raise on both ranks at once (the failure
     shared before the data moves), not after the other rank's timeout, and the calls must
     stay in step: a correct load afterwards works."""
-    from comm_strategies.checkpoint import _load
-
     out: dict[str, Any] = {}
     model = torch.nn.Linear(4, 2)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     path = save_checkpoint(f"{root}/ck", model=model, optim_wrapper=optim, strategy="ddp")
-    read_manifest = _load.read_manifest
-    if dist.get_rank() == 1:
-
-        def unreadable(source: Path) -> Any:
-            raise OSError("stale file handle")
-
-        _load.read_manifest = unreadable
-    start = time.monotonic()
-    out["unreadable"] = caught(load_checkpoint, path, model=model, optim_wrapper=optim, timeout=30)
-    out["unreadable_took"] = time.monotonic() - start
-    _load.read_manifest = read_manifest
+    with manifest_unreadable_on(1):
+        start = time.monotonic()
+        out["unreadable"] = caught(
+            load_checkpoint, path, model=model, optim_wrapper=optim, timeout=30
+        )
+        out["unreadable_took"] = time.monotonic() - start
     other = {"a": optim, "b": torch.optim.SGD(model.parameters(), lr=1.0)}
     start = time.monotonic()
     mine = other if dist.get_rank() == 0 else optim

@@ -29,6 +29,7 @@ import torch
 import comm_collectives as dist
 from comm_strategies.checkpoint import load_checkpoint, save_checkpoint
 from tests.helpers import caught
+from tests.strategies.ckpt_faults import manifest_unreadable_on
 
 
 class _CountExchanges:
@@ -95,22 +96,13 @@ def fails_before_the_data_moves(root: str) -> dict[str, Any]:
     """Without timeout=: rank 1 cannot read the manifest; then rank 1 passes another path
     (which does not exist); then a correct load. Each failure must reach both ranks at
     once (the default timeout is 300 s), and the last load must work (still in step)."""
-    from comm_strategies.checkpoint import _load
-
     out: dict[str, Any] = {}
     model, optim = _model(0)
     path = save_checkpoint(f"{root}/ck", model=model, optim_wrapper=optim, strategy="ddp")
-    read_manifest = _load.read_manifest
-    if dist.get_rank() == 1:
-
-        def unreadable(source: Path) -> Any:
-            raise OSError("stale file handle")
-
-        _load.read_manifest = unreadable
-    start = time.monotonic()
-    out["unreadable"] = caught(load_checkpoint, path, model=model, optim_wrapper=optim)
-    out["unreadable_took"] = time.monotonic() - start
-    _load.read_manifest = read_manifest
+    with manifest_unreadable_on(1):
+        start = time.monotonic()
+        out["unreadable"] = caught(load_checkpoint, path, model=model, optim_wrapper=optim)
+        out["unreadable_took"] = time.monotonic() - start
     mine = path if dist.get_rank() == 0 else Path(f"{root}/elsewhere")
     start = time.monotonic()
     out["paths"] = caught(load_checkpoint, mine, model=model, optim_wrapper=optim)
