@@ -464,6 +464,9 @@ def main() -> int:
         help="run one world only: the 2-rank steps, or the 4-rank model_parallel rows",
     )
     args = parser.parse_args()
+    if args.hidden < 2 or args.hidden % 2:
+        # the tensor-parallel plan splits the hidden layers between 2 ranks
+        parser.error(f"--hidden must be a positive even width, got {args.hidden}")
     repeats, steps = (2, 2) if args.smoke else (args.repeats, args.steps)
     env = {
         "OMP_NUM_THREADS": "1",
