@@ -56,17 +56,25 @@ from torch import nn
 
 from comm_core.testing import WorldPool
 
-# The MLP's width: --hidden sets it for the ranks through this variable (default 512)
-HIDDEN = int(os.environ.get("COMM_BENCH_HIDDEN", "512"))
+HIDDEN = 512  # the MLP's width by default; --hidden passes another to the ranks (below)
+_HIDDEN_VARIABLE = "COMM_BENCH_HIDDEN"
+
+
+def hidden_width() -> int:
+    """The MLP's width: ``--hidden``, which main hands the ranks in the environment."""
+    return int(os.environ.get(_HIDDEN_VARIABLE, HIDDEN))
+
+
 BATCH = 32
 Step = Callable[[tuple[torch.Tensor, torch.Tensor]], None]
 
 
 def make_net() -> nn.Module:
     torch.manual_seed(0)
+    width = hidden_width()
     return nn.Sequential(
-        nn.Linear(128, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(),
-        nn.Linear(HIDDEN, 16),
+        nn.Linear(128, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
+        nn.Linear(width, 16),
     )  # fmt: skip
 
 
@@ -407,9 +415,10 @@ def run_mp_rank(smoke: bool, repeats: int, steps: int, bind: bool, root: str) ->
 
 def to_markdown(result: dict[str, Any], repeats: int, steps: int) -> str:
     lines: list[str] = []
+    width = result.get("hidden", HIDDEN)
     if result["rows"] or result["skipped"]:  # not with --only model_parallel
         lines += [
-            f"World of 2 gloo ranks, MLP 128-{HIDDEN}-{HIDDEN}-16, batch {BATCH} per rank, "
+            f"World of 2 gloo ranks, MLP 128-{width}-{width}-16, batch {BATCH} per rank, "
             f"AdamW; {repeats} interleaved repeats of {steps} steps, medians.",
             "",
             "| engine | baseline | baseline ms/step | comm ms/step | comm / baseline |",
@@ -427,7 +436,7 @@ def to_markdown(result: dict[str, Any], repeats: int, steps: int) -> str:
         lines += [
             "",
             f"World of 4 gloo ranks (data parallel 2 x tensor parallel 2), MLP "
-            f"128-{HIDDEN}-{HIDDEN}-16, "
+            f"128-{width}-{width}-16, "
             f"batch {BATCH} per data-parallel rank, AdamW; {repeats} interleaved repeats "
             f"(steps: {steps} per sample; checkpoints: model and AdamW state, ms per save or "
             "load), medians.",
@@ -444,7 +453,6 @@ def to_markdown(result: dict[str, Any], repeats: int, steps: int) -> str:
 
 
 def main() -> int:
-    global HIDDEN
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a quick run that checks the script")
     parser.add_argument("--repeats", type=int, default=15)
@@ -455,7 +463,8 @@ def main() -> int:
         "--hidden",
         type=int,
         default=HIDDEN,
-        help="the MLP's hidden width (default 512); a wider model shows what is fixed per call",
+        help=f"the MLP's hidden width (default {HIDDEN}); a wider model shows what is fixed "
+        "per call",
     )
     parser.add_argument(
         "--only",
@@ -471,10 +480,9 @@ def main() -> int:
     env = {
         "OMP_NUM_THREADS": "1",
         "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-        "COMM_BENCH_HIDDEN": str(args.hidden),
+        _HIDDEN_VARIABLE: str(args.hidden),
     }
     os.environ.update(env)
-    HIDDEN = args.hidden  # for the tables' text (the ranks read the variable)
     # Imported here first, once: mmengine writes yapf's grammar cache on its first import,
     # and two ranks doing that at once may read each other's half-written file.
     for module in ("mmengine.model", "deepspeed"):
@@ -499,6 +507,7 @@ def main() -> int:
             result["model_parallel"] = pool.run(
                 run_mp_rank, args.smoke, repeats, steps, not args.no_bind, root, timeout=900
             )[0]
+    result["hidden"] = args.hidden  # in results.json too
     text = to_markdown(result, repeats, steps)
     print(text)
     if args.out is not None:
