@@ -6,16 +6,21 @@ import os
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as torch_dist
+from torch.distributed.rendezvous import rendezvous as _torch_rendezvous
 
+from ._attempt import attempt_store
 from ._exit import _teardown_at_exit
 from ._store import _loopback_store
 from ._twin_naming import _check_same_group_name, _members_only_naming
 from .errors import AlreadyInitializedError, LauncherError, NotInitializedError
-from .launcher import LAUNCHERS, current_node_key, infer_launcher, read_launch_env
+from .launcher import LAUNCHERS, LaunchEnv, current_node_key, infer_launcher, read_launch_env
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -69,6 +74,12 @@ def init_dist(
     launcher says so, or ``MASTER_ADDR`` is a loopback address), the store listens on
     127.0.0.1 only; otherwise it listens on every interface, as torch's does.
 
+    Restart-safe: the ranks first agree on a fresh token for this launch attempt, and the
+    group keeps all its keys (torch's own set-up, comm's collectives, checkpoints and
+    liveness checks) under ``comm/attempt/<token>/`` in the store. A store that outlives a
+    failed attempt (torchrun's agent store under ``--max-restarts``, a ``file://`` store, a
+    requeued Slurm job) then never hands the dead attempt's keys to the next one.
+
     Args:
         launcher: ``"pytorch"`` (torchrun), ``"slurm"`` (srun) or ``"mpi"`` (mpirun).
         backend: ``"nccl"``, ``"gloo"``, ...; None picks nccl when CUDA is usable, else gloo.
@@ -112,12 +123,8 @@ def init_dist(
         os.environ.update(launch.as_environ())
         if _uses_cuda(backend):
             torch.cuda.set_device(_cuda_index(launch.local_rank, torch.cuda.device_count()))
-        if need_master:
-            store = _loopback_store(launch, timeout)
-            if store is None:
-                kwargs["init_method"] = "env://"
-            else:
-                kwargs["store"] = store
+        base = _base_store(kwargs, launch, timeout, need_master=need_master)
+        kwargs["store"] = attempt_store(base, launch.rank, launch.world_size, timeout)
         torch_dist.init_process_group(
             backend=backend,
             rank=launch.rank,
@@ -145,6 +152,28 @@ def init_dist(
                 os.environ[name] = value
         raise
     _teardown_at_exit()
+
+
+def _base_store(
+    kwargs: dict[str, Any], launch: LaunchEnv, timeout: float, *, need_master: bool
+) -> Store:
+    """The job's rendezvous store: the caller's ``store=``, or the one its ``init_method``
+    (``env://`` by default) names, as torch would build it (``kwargs`` loses both keys)."""
+    if "store" in kwargs:
+        store: Store = kwargs.pop("store")
+        return store
+    if need_master:
+        loopback = _loopback_store(launch, timeout)
+        if loopback is not None:
+            return loopback
+    url = kwargs.pop("init_method", None) or "env://"
+    store, _, _ = next(
+        _torch_rendezvous(
+            url, rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=timeout)
+        )
+    )
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
 
 
 def _default_timeout(backend: str) -> float:

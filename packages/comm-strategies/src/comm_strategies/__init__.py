@@ -11,6 +11,7 @@ Examples:
 """
 
 from .__about__ import __version__
+from ._sampler import ElasticSampler
 from .base import Strategy
 from .ddp import DDPStrategy
 from .deepspeed import DeepSpeedStrategy
@@ -23,6 +24,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "DDPStrategy",
     "DeepSpeedStrategy",
+    "ElasticSampler",
     "FSDPStrategy",
     "ModelParallelStrategy",
     "SingleDeviceStrategy",

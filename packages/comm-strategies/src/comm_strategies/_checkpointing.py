@@ -143,8 +143,14 @@ class CheckpointMixin:
         load_rng: bool = True,
         timeout: float | None = None,
         allow_unsafe_pickle: bool = False,
+        missing_ok: bool = False,
     ) -> dict[str, Any]:
         """Restore model, optimizer, schedulers and RNG states (collective).
+
+        A job that a launcher restarts (``torchrun --max-restarts``, a requeued Slurm job)
+        calls ``resume(missing_ok=True)`` once after `prepare`: the first attempt finds no
+        checkpoint and starts from scratch, every later one goes on from the latest complete
+        checkpoint (a save or a ``keep_last`` removal killed half-way never counts).
 
         Args:
             path: The checkpoint; None resumes from the latest complete one in `work_dir`.
@@ -154,9 +160,14 @@ class CheckpointMixin:
             allow_unsafe_pickle: Allow formats that need full unpickling (DeepSpeed's own).
             timeout: Seconds a rank waits for the others to enter the call; None:
                 `COMM_CHECKPOINT_TIMEOUT`, or 300.
+            missing_ok: With ``path=None``: when `work_dir` holds no complete checkpoint,
+                return an empty dict and change nothing instead of raising.
 
         Returns:
-            The checkpoint's user state (``extra``).
+            The checkpoint's user state (``extra``); empty when nothing was resumed.
+
+        Raises:
+            FileNotFoundError: ``path=None``, no complete checkpoint and not ``missing_ok``.
         """
         self._require_prepared("resume")
         if path is None:
@@ -164,8 +175,13 @@ class CheckpointMixin:
                 message = "resume() without a path needs the strategy's work_dir"
                 raise ValueError(message)
             latest = checkpoint.find_latest(self._work_dir)
+            if latest is None and missing_ok:
+                return {}
             if latest is None:
-                message = f"resume(): no complete checkpoint under {self._work_dir}"
+                message = (
+                    f"resume(): no complete checkpoint under {self._work_dir}; pass "
+                    "missing_ok=True to start from scratch when there is none"
+                )
                 raise FileNotFoundError(message)
             source = Path(latest)  # already under work_dir (relative when work_dir is)
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import threading
 import time
@@ -261,12 +262,28 @@ def _fsync_dir(folder: Path) -> None:
         os.close(descriptor)
 
 
+_LEFTOVER = re.compile(r"\..+\.(tmp|old)-[0-9a-f]{12}")  # temporary_name's, retain's names
+_swept: set[Path] = set()  # the folders whose leftovers this process has removed
+
+
 def _remove_stale(final: Path) -> None:
     """Remove the temporary folders that earlier, killed saves of ``final`` left behind,
-    and replaced copies whose background deletion a killed process did not finish."""
-    prefixes = (f".{final.name}.tmp-", f".{final.name}.old-")
-    with os.scandir(final.parent) as entries:  # one listing for both kinds
-        found = [final.parent / entry.name for entry in entries if entry.name.startswith(prefixes)]
+    and replaced copies whose background deletion a killed process did not finish.
+
+    The first save of a process in a folder removes those of every name: a job restarted
+    after a kill (during a save, or during ``keep_last``'s removal of an old checkpoint)
+    may never save under the dead process's names again. This process has no save in
+    flight then, so every hidden temporary or replaced folder there is a dead one.
+    """
+    parent = final.parent
+    with os.scandir(parent) as entries:  # one listing for both kinds
+        names = [entry.name for entry in entries if entry.name.startswith(".")]
+    if parent in _swept:
+        prefixes: tuple[str, ...] = (f".{final.name}.tmp-", f".{final.name}.old-")
+        found = [parent / name for name in names if name.startswith(prefixes)]
+    else:
+        found = [parent / name for name in names if _LEFTOVER.fullmatch(name)]
+        _swept.add(parent)
     for stale in found:
         thread = _deleting.get(stale)
         if thread is None or not thread.is_alive():  # not being deleted already
