@@ -38,6 +38,10 @@ case "$mode" in
     exec timeout "${COMM_LAUNCH_TIMEOUT:-240}" "$py" -m torch.distributed.run "${common[@]}" "$@" ;;
   agent)
     port="$1"; shift
+    # torch 2.13's agents share one worker store across rendezvous rounds; a node that joins
+    # later waits for the store's address under the new round, which the first node never
+    # writes there (the join times out after 60 s). A store per round avoids it.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     exec timeout "${COMM_LAUNCH_TIMEOUT:-240}" "$py" -m torch.distributed.run \
       --nnodes 1:2 --nproc-per-node 1 --max-restarts "${COMM_MAX_RESTARTS:-3}" \
       --monitor-interval 0.1 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" \

@@ -3,7 +3,8 @@
 The loop a user writes: `build_strategy` with a ``work_dir``, `ElasticSampler` for the
 data, ``resume(missing_ok=True)`` after ``prepare``, a checkpoint every ``--save-every``
 steps (``keep_last=2``, sync or ``--async-save``). With ``--kill WHERE:STEP`` rank
-``--kill-rank`` SIGKILLs itself once in the job (the first process to get there leaves
+``--kill-rank`` (by default rank 0 in a publish, rank 1 elsewhere) SIGKILLs itself once
+in the job (the first process to get there leaves
 ``OUT/killed``):
 
 - ``step:N``: right after optimizer step N;
@@ -67,9 +68,11 @@ def _die(out: Path, where: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _arm(kill: str, out: Path, rank: int, victim: int) -> tuple[str, int]:
+def _arm(kill: str, out: Path, rank: int, victim: int | None) -> tuple[str, int]:
     """Patch the checkpoint package's seams for a kill inside a save; return (where, step)."""
     where, _, at = kill.partition(":")
+    if victim is None:  # rank 0 publishes and retains; kill another rank elsewhere
+        victim = 0 if where in ("save", "retention") else 1
     if not where or rank != victim or (out / "killed").exists():
         return "", -1
     step = int(at)
@@ -112,7 +115,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--kill", default="")
-    parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument("--kill-rank", type=int, default=None, help="default: who gets there")
     parser.add_argument("--step-delay", type=float, default=0.0)
     args = parser.parse_args()
     out = Path(args.out)
