@@ -6,6 +6,7 @@ Imported by ``comm_strategies.integrations.mmengine``; only with MMEngine instal
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from collections.abc import Mapping
 from datetime import timedelta
@@ -35,6 +36,7 @@ from ._mmengine_full_state import (
     _tensors_to_cpu,
     _without_child_wrappers,
 )
+from ._mmengine_resume import repair_auto_resume, write_whole_files
 from ._mmengine_state import decode_message_hub, encode_message_hub, plain
 from ._mmengine_wrappers import (
     CommDistributedDataParallel,
@@ -102,6 +104,35 @@ def _register() -> None:
     for wrapper in bases:
         child.register_module(name=wrapper.__name__, module=wrapper, force=True)
     _bridge_mmengine_wrappers()
+    if restarts_allowed():
+        route_runner_init_dist()
+
+
+def restarts_allowed() -> bool:
+    """Whether torchrun started this process with restarts allowed (``--max-restarts`` > 0)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    except ValueError:
+        return False
+
+
+def route_runner_init_dist() -> bool:
+    """Make the classic ``Runner`` start its process group with `comm_collectives.init_dist`.
+
+    MMEngine's own ``init_dist`` calls ``torch.distributed.init_process_group`` on the
+    launcher's store, which outlives a failed attempt under ``torchrun --max-restarts``: the
+    restarted workers read the dead attempt's keys (gloo connects to dead addresses, nccl
+    takes a dead attempt's id) and fail or hang. comm's keeps each attempt's keys apart.
+    Done when this module is imported in a process that torchrun may restart
+    (`restarts_allowed`); nothing changes elsewhere. Returns whether the ``Runner``'s
+    ``init_dist`` is comm's now (False when ``mmengine.runner`` cannot be imported).
+    """
+    try:
+        import mmengine.runner.runner as runner_module
+    except ImportError:  # mmengine.runner needs OpenCV; without it there is no Runner
+        return False
+    runner_module.init_dist = _comm_init_dist
+    return True
 
 
 def _unwrap_mmengine(wrapper: Any) -> Any:
@@ -148,7 +179,9 @@ def use_comm_wrappers(enable: bool = True) -> None:
     gloo there). MMEngine's own classes stay
     registered (under ``comm`` scope names ``mmengine_<name>``) so its
     ``is_model_wrapper`` still knows models wrapped before. ``use_comm_wrappers(False)``
-    puts back exactly what was there. Nothing changes in MMEngine unless this is called.
+    puts back exactly what was there. Nothing else changes in MMEngine unless this is
+    called, except in a process that torchrun may restart: there importing the integration
+    already routes the ``Runner``'s ``init_dist`` to comm's (`route_runner_init_dist`).
 
     Args:
         enable: Turn the opt-in on (True) or off (False). Repeating a state is a no-op.
@@ -202,12 +235,15 @@ def _comm_init_dist(
     """MMEngine's ``init_dist`` as the ``Runner`` calls it, done by `comm_collectives.init_dist`.
 
     MMEngine's own selects a CUDA device unconditionally (``torch.cuda.set_device``), which
-    fails on a machine without CUDA; comm's selects one only for a CUDA backend, and runs
-    the same launchers. Without CUDA, ``backend="nccl"`` (MMEngine's default) becomes gloo.
+    fails on a machine without CUDA; comm's selects one only for a CUDA backend, runs the
+    same launchers, and keeps each launch attempt's store keys apart (restart-safe). Without
+    CUDA, ``backend="nccl"`` (MMEngine's default) becomes gloo. Other ``init_backend``s
+    (DeepSpeed's, ColossalAI's) and launchers go to MMEngine's own.
     """
     if init_backend != "torch" or launcher not in ("pytorch", "slurm", "mpi"):
-        assert _saved is not None
-        _saved["init_dist"](launcher, backend, init_backend=init_backend, **kwargs)
+        from mmengine.dist import init_dist as mmengine_init_dist
+
+        mmengine_init_dist(launcher, backend, init_backend=init_backend, **kwargs)
         return
     from comm_collectives import init_dist
 
@@ -222,7 +258,13 @@ def _comm_init_dist(
 class CommRunnerHook(Hook):  # type: ignore[misc]
     """What comm's wrappers need from MMEngine's classic ``Runner``, beside ``CheckpointHook``.
 
-    Add it with ``custom_hooks=[dict(type="CommRunnerHook")]``. It does three things:
+    Add it with ``custom_hooks=[dict(type="CommRunnerHook")]``. It does these things:
+
+    - A run started again by the launcher (``resume=True``) goes on from the newest whole
+      checkpoint: before the runner reads ``work_dir/last_checkpoint``, rank 0 corrects
+      what a kill left there (missing, empty, naming a removed, truncated or older file;
+      `repair_pointer`), and rank 0 writes each checkpoint under a hidden temporary name
+      and renames it, so a checkpoint's name holds a whole file or none.
 
     - Checkpoints load with ``torch.load(weights_only=True)``: the runner's message hub
       (``HistoryBuffer`` objects, numpy values) is written as plain lists and numbers and
@@ -254,6 +296,12 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
         self._full: tuple[dict[str, Any], dict[str, Any] | None] | None = None
 
     def before_run(self, runner: Any) -> None:
+        """Make saves whole or absent, sharded state gathered; point auto resume right."""
+        write_whole_files(runner)
+        self._gather_before_saves(runner)
+        repair_auto_resume(runner)
+
+    def _gather_before_saves(self, runner: Any) -> None:
         """Make the runner's ``save_checkpoint`` gather sharded state on every rank first."""
         if _sharded_root(runner.model) is None or getattr(runner, "_comm_saves_full", False):
             return

@@ -19,6 +19,10 @@ runner asks for the logger while it is built). The runner's ``before_save_checkp
 and ``after_load_checkpoint`` hooks run under every strategy, DeepSpeed included; they see
 the runner's checkpoint dict (``meta``, ``message_hub`` and what hooks add), not the
 model's state. Param scheduler configs are built with MMEngine's ``PARAM_SCHEDULERS``.
+
+A run started again by the launcher (``resume=True``) goes on from the newest complete
+checkpoint: `prepare` corrects ``work_dir/last_checkpoint``, which the runner reads next,
+when a kill left it missing, stale, or older than the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ..ddp import DDPStrategy
 from ..deepspeed import DeepSpeedStrategy
 from ..fsdp import FSDPStrategy
 from ..single import SingleDeviceStrategy
+from ._mmengine_resume import repair_pointer as _repair_pointer
 from ._mmengine_runner import (
     CommDistributedDataParallel,
     CommFullyShardedDataParallel,
@@ -196,13 +201,29 @@ class MMEngineStrategyMixin(Strategy):
         self._dispatch = dispatch
         if isinstance(compile, Mapping) and compile.get("target") == "train_step":
             compile = {**compile, "target": "forward"}  # compile the model, not the step
-        return super().prepare(
+        prepared = super().prepare(
             model,
             optim_wrapper=optim_wrapper,
             param_scheduler=param_scheduler,
             compile=compile,
             dispatch_kwargs=dispatch,
         )
+        self._repair_last_checkpoint()
+        return prepared
+
+    def _repair_last_checkpoint(self) -> None:
+        """Make ``work_dir/last_checkpoint`` name the newest complete checkpoint (collective).
+
+        The runner reads that file right after `prepare` to auto resume (``resume=True``);
+        a kill can leave it missing, stale or older than the latest checkpoint
+        (`repair_pointer`). Rank 0 corrects it; the others wait.
+        """
+        if self.work_dir is None:
+            return
+        if self.rank == 0:
+            _repair_pointer(self.work_dir)
+        if self.distributed:
+            dist.barrier()
 
     def _build_model(self, model: Any) -> torch.nn.Module:
         if isinstance(model, Mapping) and isinstance(model.get("type"), str):
