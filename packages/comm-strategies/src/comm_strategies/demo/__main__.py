@@ -39,8 +39,18 @@ def _checkpoints_available() -> bool:
     return importlib.util.find_spec("comm_strategies.checkpoint") is not None
 
 
-def _run(name: str, nproc: int, work: Path, epochs: int, extra: list[str], timeout: float) -> Any:
-    out = work / f"{name}.json"
+def _run(
+    name: str,
+    nproc: int,
+    work: Path,
+    epochs: int,
+    extra: list[str],
+    timeout: float,
+    *,
+    restarts: int = 0,
+    label: str | None = None,
+) -> Any:
+    out = work / f"{label or name}.json"
     script = ["-m", "comm_strategies.demo.train", "--strategy", name, "--out", str(out)]
     script += ["--epochs", str(epochs), "--progress", *extra]
     if name == "single" or nproc == 1:
@@ -48,7 +58,8 @@ def _run(name: str, nproc: int, work: Path, epochs: int, extra: list[str], timeo
     else:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *script,
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "--max-restarts", str(restarts), "--monitor-interval", "0.1", *script,
         ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     start = time.perf_counter()
@@ -100,6 +111,30 @@ def _size(value: Any) -> str:
     return f"{value / 1024:.0f} KiB"
 
 
+def _show_recovery(run: dict[str, Any], rows: list[dict[str, Any]], name: str) -> bool:
+    """Print what the recovery run went through; False when it did not end where the run
+    that never stopped did."""
+    killed = run["killed"]
+    lost = killed["step"] - run["resumed_from"]
+    seconds = run["first_step_at"] - killed["time"]
+    print(
+        f"\nRecovery ({name}, {run['ranks']} ranks, a checkpoint every 20 steps, async): the "
+        f"last rank was killed (SIGKILL) after step {killed['step']}; torchrun restarted the "
+        f"job, which resumed from the checkpoint of step {run['resumed_from']} ({lost} steps "
+        f"lost) and trained again {seconds:.1f} s after the kill."
+    )
+    same = [r for r in rows if r["strategy"] == name and r["ranks"] == run["ranks"]]
+    if not same:
+        print(f"accuracy {100 * run['accuracy']:.2f}%")
+        return True
+    equal = abs(same[0]["accuracy"] - run["accuracy"]) < 1e-9
+    print(
+        f"accuracy {100 * run['accuracy']:.2f}% ("
+        f"{'the same as' if equal else 'DIFFERENT from'} the {name} run that never stopped)"
+    )
+    return equal
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
@@ -117,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument(
+        "--recovery",
+        default="ddp",
+        choices=[*STRATEGIES[1:5], "none"],
+        help="after the table: train this strategy again, kill a rank half-way and show the "
+        "restart and the resume ('none': skip)",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -128,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         args.mp_nproc = gpus or 4
     peak = None if gpus else matmul_peak()
     checkpoints = _checkpoints_available()
+    from . import TRAIN_SIZE
+
+    steps_per_epoch = TRAIN_SIZE // 64  # the global batch of demo.train
     began = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="comm-demo-") as folder:
@@ -136,6 +181,15 @@ def main(argv: list[str] | None = None) -> int:
             extra = ["--save", str(work / f"ckpt-{name}")] if checkpoints else []
             nproc = args.mp_nproc if name == "model_parallel" else args.nproc
             rows.append(_run(name, nproc, work, args.epochs, extra, args.timeout))
+        recovery = None
+        if checkpoints and args.recovery != "none" and args.nproc > 1 and args.epochs > 0:
+            half = args.epochs * steps_per_epoch // 2
+            extra = ["--work-dir", str(work / "recovery"), "--kill-at", str(half + 7)]
+            recovery = _run(
+                args.recovery, args.nproc, work, args.epochs, extra, args.timeout,
+                restarts=1, label="recovery",
+            )  # fmt: skip
+            recovery["killed"] = json.loads((work / "recovery" / "killed.json").read_text())
         reload = None
         if checkpoints and "deepspeed" in args.strategies:
             reload = _run(
@@ -160,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if peak is not None:
         print(f"\nMFU against a measured float32 matmul peak of {peak / 1e9:.1f} GFLOP/s per rank")
+    if recovery is not None and not _show_recovery(recovery, rows, args.recovery):
+        return 1
     if reload is not None:
         deepspeed_row = next(r for r in rows if r["strategy"] == "deepspeed")
         same = abs(reload["accuracy"] - deepspeed_row["accuracy"]) < 1e-9

@@ -2,7 +2,10 @@
 
 ``python -m comm_strategies.demo.train --strategy ddp --out result.json`` (with torchrun)
 trains, evaluates on the held-out digits, optionally saves a checkpoint, and writes a JSON
-summary from rank 0. ``--load DIR --epochs 0`` only evaluates a checkpoint.
+summary from rank 0. ``--load DIR --epochs 0`` only evaluates a checkpoint. With
+``--work-dir DIR`` it checkpoints every ``--save-every`` steps and resumes from the latest
+checkpoint at start, so that a run restarted by ``torchrun --max-restarts`` goes on where
+it was; ``--kill-at STEP`` makes the last rank SIGKILL itself there once (the recovery demo).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -101,6 +105,19 @@ def directory_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _die_once(work_dir: Path | None, step: int) -> None:
+    """The recovery demo's failure: note the step and the time, then SIGKILL this rank (the
+    first time only: the note stays in ``work_dir``, so the restarted job trains on)."""
+    if work_dir is None:
+        return
+    note = work_dir / "killed.json"
+    if note.exists():
+        return
+    work_dir.mkdir(parents=True, exist_ok=True)
+    note.write_text(json.dumps({"step": step, "time": time.time()}))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--strategy", default="single")
@@ -109,10 +126,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", type=Path, default=None, help="checkpoint directory")
     parser.add_argument("--load", type=Path, default=None, help="checkpoint to load first")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="save a checkpoint every --save-every steps here (async, keep_last=2) and resume "
+        "from the latest one at start: a run that torchrun restarts goes on where it was",
+    )
+    parser.add_argument("--save-every", type=int, default=20)
+    parser.add_argument(
+        "--kill-at",
+        type=int,
+        default=None,
+        help="the recovery demo: the last rank SIGKILLs itself after this step, once a job",
+    )
     args = parser.parse_args(argv)
+    started = time.time()
     torch.set_num_threads(1)
 
-    strategy = build_strategy(args.strategy, seed=0, **_options(args.strategy))
+    strategy = build_strategy(
+        args.strategy, seed=0, work_dir=args.work_dir, **_options(args.strategy)
+    )
     # One global batch of 64 per step, split evenly over the ranks: every strategy computes
     # the same updates, so the accuracies agree.
     strategy.setup_env()
@@ -134,22 +168,36 @@ def main(argv: list[str] | None = None) -> int:
     test_x, test_y = images[TRAIN_SIZE:], labels[TRAIN_SIZE:]
     if args.load is not None:
         strategy.load_checkpoint(args.load, allow_unsafe_pickle=True)
+    # After a restart: the latest complete checkpoint (model, optimizer, RNG) and its step.
+    done = int(strategy.resume(missing_ok=True).get("step", 0)) if args.work_dir else 0
+    resumed_from, first_step_at = done, None
 
     steps_per_epoch = TRAIN_SIZE // GLOBAL_BATCH
     total = steps_per_epoch * args.epochs
     progress = Progress(args.strategy, total, args.progress and strategy.rank == 0)
     times: list[float] = []
     loss = torch.tensor(0.0)
-    for epoch in range(args.epochs):
+    handle = None
+    for epoch in range(done // steps_per_epoch, args.epochs):
         order = torch.randperm(TRAIN_SIZE, generator=torch.Generator().manual_seed(epoch))
-        for step in range(steps_per_epoch):
+        for step in range(done % steps_per_epoch, steps_per_epoch):
             chunk = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH][rank::world]
             start = time.perf_counter()
             with optim.optim_context(model):
                 loss = model(train_x[chunk], train_y[chunk], mode="loss")["loss"]
             optim.update_params(loss)
             times.append(time.perf_counter() - start)
-            progress.update(epoch * steps_per_epoch + step + 1, float(loss))
+            done += 1
+            first_step_at = first_step_at or time.time()
+            progress.update(done, float(loss))
+            if args.kill_at == done and strategy.rank == strategy.world_size - 1:
+                _die_once(args.work_dir, done)
+            if args.work_dir is not None and done % args.save_every == 0:
+                handle = strategy.save_checkpoint_async(
+                    f"step_{done}", extra={"step": done}, keep_last=2
+                )
+    if handle is not None:
+        handle.wait()
 
     accuracy = evaluate(model, test_x, test_y, rank, world)
     size = None
@@ -170,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             "steps": len(times),
             "checkpoint_bytes": size,
             "final_loss": float(loss),
+            "started": started,
+            "resumed_from": resumed_from,
+            "first_step_at": first_step_at,
         }
         args.out.write_text(json.dumps(summary))
     strategy.teardown()
