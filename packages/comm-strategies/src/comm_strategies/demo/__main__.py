@@ -127,7 +127,7 @@ def _show_recovery(run: dict[str, Any], rows: list[dict[str, Any]], name: str) -
     if not same:
         print(f"accuracy {100 * run['accuracy']:.2f}%")
         return True
-    equal = abs(same[0]["accuracy"] - run["accuracy"]) < 1e-9
+    equal = bool(abs(same[0]["accuracy"] - run["accuracy"]) < 1e-9)
     print(
         f"accuracy {100 * run['accuracy']:.2f}% ("
         f"{'the same as' if equal else 'DIFFERENT from'} the {name} run that never stopped)"
