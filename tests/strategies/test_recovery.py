@@ -9,6 +9,7 @@ model to the same values on the same global batches, checked by the reference ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -220,3 +221,67 @@ def test_a_node_joining_restarts_into_a_larger_world_that_resumes_exactly(
     assert [r["world"] for r in attempts[-1]] == [2, 2]
     assert attempts[-1][0]["resumed_from"] >= 5
     assert _difference(out, reference) <= TOLERANCE
+
+
+# ------------------------------------------------------------------ the example
+
+
+EXAMPLE = ROOT / "examples" / "train_loop.py"
+
+
+def _losses_by_step(text: str) -> dict[int, str]:
+    """The example's printed losses by step (a step printed again after a resume: the last)."""
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("step "):
+            _, step, _, loss = line.split()
+            found[int(step)] = loss
+    return found
+
+
+def _example(work: Path, *, kill_after: str | None) -> str:
+    """Run the example under ``torchrun.sh restart static``; with ``kill_after``, SIGKILL
+    one of its workers once that checkpoint exists. Return what rank 0 printed."""
+    args = ["--strategy", "ddp", "--steps", "400", "--work-dir", str(work), "--save-every", "10"]
+    proc = subprocess.Popen(
+        ["bash", str(LAUNCH), "restart", "static", str(EXAMPLE), *args],
+        env=_env(PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        if kill_after is not None:
+            _wait(lambda: (work / kill_after).exists(), 120, kill_after)
+            workers = [pid for pid in _descendants(proc.pid) if _is_worker(pid)]
+            assert workers, "no worker process found"
+            os.kill(workers[-1], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            for pid in _descendants(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stderr[-6000:]
+    return stdout
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"torch.distributed.run" not in command and any(
+        part.endswith(b"train_loop.py") for part in command
+    )
+
+
+def test_the_example_resumes_where_it_was_after_a_worker_is_killed(tmp_path: Path) -> None:
+    reference = _losses_by_step(_example(tmp_path / "reference", kill_after=None))
+    printed = _example(tmp_path / "killed", kill_after="step_20")
+    assert "resumed from step" in printed, printed
+    resumed = int(printed.split("resumed from step")[1].split()[0])
+    assert 20 <= resumed < 400
+    assert _losses_by_step(printed) == reference  # every printed step, to the digit
