@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from comm_core import slurm_job_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,3 +130,33 @@ def test_a_script_that_never_calls_destroy_dist_exits_cleanly(tmp_path: Path) ->
             if proc.returncode != 0 or done != expected:
                 failures.append(f"{out.name}: exit {proc.returncode}, {done}\n{stderr[-2000:]}")
     assert not failures, "\n".join(failures)
+
+
+RESTART_PROBE = ROOT / "tests" / "launchers" / "restart_probe.py"
+
+
+@pytest.mark.parametrize(
+    ("rdzv", "where"),
+    [("static", "asked"), ("c10d", "answered"), ("static", "collective"), ("c10d", "collective")],
+)
+def test_a_rank_killed_in_the_first_attempt_leaves_nothing_the_restart_reads(
+    tmp_path: Path, rdzv: str, where: str
+) -> None:
+    # torchrun keeps its store across restarts: the second attempt must make its group and
+    # read its own keys, whatever moment of the first attempt a rank died at.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHON_RANK"] = sys.executable
+    command = ["bash", str(LAUNCH / "torchrun.sh"), "restart", rdzv, str(RESTART_PROBE)]
+    proc = subprocess.run(
+        [*command, str(tmp_path), where],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["restart_count"] for r in records] == ["1", "1"]
+    assert [r["sum"] for r in records] == [3.0, 3.0]
+    assert [r["seen"] for r in records] == ["attempt 1", "attempt 1"]
+    assert records[0]["attempt"] == records[1]["attempt"]
