@@ -95,12 +95,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import os
-    import sys
-
     main()
-    # torch 2.13's gloo can abort the interpreter's teardown after a finished run
-    # ("terminate called without an active exception"): leave without one.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

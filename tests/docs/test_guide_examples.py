@@ -16,11 +16,9 @@ which its whole process group (torchrun and its ranks) is killed. The program's 
 numbers are the page's: a traceback points into the Markdown file. A block that imports an
 optional dependency (MMEngine, DeepSpeed) is skipped, with the reason, where it is missing.
 
-A torchrun program gets an ending appended, run once its last line has run: a barrier, the
-destruction of the process group, and an exit that skips the interpreter's teardown. With
-torch 2.13 on the CPU, a 2-rank DDP program aborts in that teardown ("terminate called
-without an active exception", SIGABRT or SIGBUS) in about one run in ten, also plain torch
-with ``destroy_process_group``; that is not what these runs check.
+A program runs exactly as the page shows it and ends as an ordinary program does: comm's
+exit teardown (registered when comm_core is imported) destroys the process group before
+the interpreter's own teardown, so nothing is appended.
 """
 
 from __future__ import annotations
@@ -54,19 +52,6 @@ OPTIONAL = {
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "TORCHELASTIC_")
 LAUNCHER_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
 LAUNCHER_VARIABLES |= {"MASTER_ADDR", "MASTER_PORT", "MPI_LOCALRANKID"}
-TORCHRUN_ENDING = """
-import os as _os  # appended by tests/docs/test_guide_examples.py
-import sys as _sys
-
-import torch.distributed as _torch_dist
-
-if _torch_dist.is_initialized():
-    _torch_dist.barrier()
-    _torch_dist.destroy_process_group()
-_sys.stdout.flush()
-_sys.stderr.flush()
-_os._exit(0)
-"""
 
 
 @dataclass
@@ -184,7 +169,7 @@ def test_runnable_block_runs_without_error(program: Program, mode: str, tmp_path
         pytest.skip(f"docs/{program.page}:{program.line} needs {missing}, not installed here")
     stem = re.sub(r"\W", "_", Path(program.page).stem)  # no module name a library may import
     script = f"test_{stem}_md.py" if mode == "pytest" else f"docs_{stem}_md.py"
-    (tmp_path / script).write_text(source + (TORCHRUN_ENDING if mode == "torchrun" else ""))
+    (tmp_path / script).write_text(source)
     process = subprocess.Popen(
         _command(mode, script),
         cwd=tmp_path,

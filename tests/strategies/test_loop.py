@@ -42,6 +42,10 @@ def run_loop_in_world(strategies: list[str]) -> dict[str, list[float]]:
 
 
 def _run_script(strategy: str, nproc: int) -> list[float]:
+    return _losses(_script_output(strategy, nproc).stdout)
+
+
+def _script_output(strategy: str, nproc: int) -> subprocess.CompletedProcess[str]:
     args = [str(LOOP), "--strategy", strategy, "--steps", STEPS]
     if nproc == 1:
         command = [sys.executable, *args]
@@ -55,7 +59,7 @@ def _run_script(strategy: str, nproc: int) -> list[float]:
         env.pop(name, None)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr[-6000:]
-    return _losses(done.stdout)
+    return done
 
 
 def test_the_loop_gives_the_same_losses_under_every_strategy(comm_run_distributed: Any) -> None:
@@ -72,3 +76,13 @@ def test_the_loop_gives_the_same_losses_under_every_strategy(comm_run_distribute
     # private world of one).
     assert _run_script("fsdp", 2) == pytest.approx(reference, abs=2e-4)
     assert _run_script("ddp", 1) == pytest.approx(reference, abs=2e-4)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_the_example_ends_like_an_ordinary_program(strategy: str) -> None:
+    # No os._exit at its end: the interpreter's own teardown runs after comm's exit
+    # teardown destroyed the group (20 runs a strategy in the note; two here).
+    for _ in range(2):
+        done = _script_output(strategy, 2)
+        assert "terminate called" not in done.stderr, done.stderr[-4000:]
+        assert len(_losses(done.stdout)) == 3
