@@ -4,9 +4,39 @@
 # DeepSpeed tests in one with the extra), the real-launcher tests (torchrun, mpirun, srun)
 # and a smoke run of the benchmarks; then the layers' tests again on the newest supported
 # torch (the `newest` environment).
+#
+#   bash scripts/test.sh           the whole suite (what CI runs)
+#   bash scripts/test.sh --quick   lint, types, the layer contract, the public API and the
+#                                  fast tests of every layer (single-process ones and the
+#                                  quickest gloo worlds): a few minutes, for a change in
+#                                  progress. The whole suite still decides.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
 ensure_hatch
+
+if [ "${1:-}" = "--quick" ]; then
+  start=$(date +%s)
+  ensure_deepspeed strategies
+  log "lint";            hatch run full:lint
+  log "types";           hatch run full:types
+  log "layer contract";  hatch run full:layers
+  log "public API";      hatch run full:api
+  log "quick tests: comm-core"
+  hatch run core:python -m pytest -q tests/core/test_plain_process.py tests/core/test_init_errors.py \
+    tests/core/test_launcher_env.py tests/core/test_attempt.py tests/core/test_cpu_group.py
+  log "quick tests: comm-collectives"
+  hatch run collectives:python -m pytest -q tests/collectives/test_plain_process.py \
+    tests/collectives/test_byte_model.py tests/collectives/test_signature_memo.py \
+    tests/collectives/test_collectives.py
+  log "quick tests: comm-wrappers"
+  hatch run wrappers:python -m pytest -q tests/wrappers/test_api.py tests/wrappers/test_fsdp_policy_names.py
+  log "quick tests: comm-strategies"
+  hatch run strategies:python -m pytest -q tests/strategies/test_package.py tests/strategies/test_sampler.py \
+    tests/strategies/test_strategies_entry_points.py tests/strategies/test_checkpoint_paths.py \
+    tests/docs/test_docstring_format.py
+  log "quick tier passed in $(( $(date +%s) - start )) s (the whole suite: bash scripts/test.sh)"
+  exit 0
+fi
 ensure_apt "openmpi-bin" mpirun
 ensure_apt "slurm-wlm munge" srun slurmctld slurmd munged
 # DeepSpeed builds a small C++ op at its first backend init (cached in .tools/).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ def _check_ddp_step() -> CheckResult:
 
 def _check_deepspeed() -> CheckResult:
     if importlib.util.find_spec("deepspeed") is None:
-        return CheckResult("deepspeed", True, "not installed")
+        return CheckResult("deepspeed", True, f"not installed in {sys.prefix}")
     from importlib.metadata import PackageNotFoundError, version
 
     try:  # not imported: DeepSpeed's import logs to stdout, inside the doctor's table
