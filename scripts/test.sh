@@ -107,4 +107,9 @@ if ! hatch run strategies:bench-checkpoint --smoke --out "$ROOT/.tools/bench-che
   log "checkpoint benchmark smoke run failed (report above); running it once more"
   hatch run strategies:bench-checkpoint --smoke --out "$ROOT/.tools/bench-checkpoint-smoke"
 fi
+log "benchmark smoke run: recovery (a rank killed under torchrun --max-restarts, one restart)"
+if ! hatch run strategies:bench-recovery --smoke --out "$ROOT/.tools/bench-recovery-smoke"; then
+  log "recovery benchmark smoke run failed (report above); running it once more"
+  hatch run strategies:bench-recovery --smoke --out "$ROOT/.tools/bench-recovery-smoke"
+fi
 log "all checks passed in $(( $(date +%s) - start )) s"
