@@ -95,7 +95,9 @@ def unchecked() -> Iterator[None]:
     ``all_reduce``, ``broadcast``, ``all_reduce_dict`` and ``all_reduce_params`` then issue
     the backend's own collective and nothing else: no header, no vote, no inline data, and
     the backend's reduction order (the bits of a float sum may differ from the checked
-    paths, which reduce in rank order). A mismatch or a failure on one rank is then not
+    paths, which reduce in rank order; float16 and bfloat16 sums, means and products
+    still travel as float32 and round once, so their values are the checked paths'). A
+    mismatch or a failure on one rank is then not
     detected: the other ranks wait for the process group's timeout, as with
     torch.distributed. The collectives that need every rank's size (gathers, object
     collectives, collect_results) keep their handshake. Every rank must enter and leave

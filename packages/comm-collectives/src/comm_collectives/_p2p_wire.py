@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pickle
 import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ import torch.distributed as torch_dist
 
 from comm_core import (
     CollectiveMismatchError,
+    CommTimeoutError,
     RankFailure,
     RemoteRankError,
     get_comm_device,
@@ -179,15 +182,25 @@ def _receive(
     route, _ = header_route(group)
     header = torch.empty(WIDTH, dtype=torch.int64)
     peers = [] if src is None else [src]
-    with peer_transport(operation, group, peers):
-        if src is None:
-            source = torch_dist.recv(header, None, group=route, tag=head_tag)
-            sender = _group_rank(group, source)
-        else:
-            torch_dist.recv(header, global_rank(group, src), group=route, tag=head_tag)
-            sender = src
+    try:
+        with peer_transport(operation, group, peers):
+            if src is None:
+                source = torch_dist.recv(header, None, group=route, tag=head_tag)
+                sender = _group_rank(group, source)
+            else:
+                torch_dist.recv(header, global_rank(group, src), group=route, tag=head_tag)
+                sender = src
+    except CommTimeoutError as exc:
+        cause = abandoned_cause(group, src, tag, work)
+        if cause is None:
+            raise
+        backend = exc.__cause__ if exc.__cause__ is not None else exc
+        said = str(backend).strip().splitlines()[0] if str(backend).strip() else "timed out"
+        message = f"{operation} timed out on rank {get_rank(group)}. {cause} (The backend: {said})"
+        raise CommTimeoutError(message) from exc
     if work is not None:
         work._peers = [sender]
+        work._source = sender  # a message was taken (read by a record of ``Abandoned``)
     got = decode(sender, header.tolist())
     expected = "send" if objects is None else "send_object_list"
     on_route = not got.ok or got.operation != "send"  # where the sender put the bytes
@@ -221,6 +234,11 @@ def _receive(
             failure = RankFailure(sender, "comm.TransportError", "an unreadable report")
         raise RemoteRankError(operation, [failure])
     if problem is not None:
+        cause = abandoned_cause(group, sender, tag, work)
+        if cause is not None and isinstance(problem, CollectiveMismatchError):
+            problem = CollectiveMismatchError(
+                problem.operation, f"{problem.problem} {cause}", problem.rows, problem.hint
+            )
         raise problem
     if tensor is not None:
         if staged is not None and staged is not tensor:
@@ -324,3 +342,112 @@ def _mismatch(
             "post a list as long as the sender's, e.g. [None] * n.",
         )
     return None
+
+
+# Receives whose wait(timeout) expired. Such a receive stays posted (its helper thread
+# waits for a header), so it takes the next message of its peer and tag, and a later
+# receive then gets the message after it, or nothing: its error names the abandoned one.
+_ABANDONED: list[Abandoned] = []
+_ABANDONED_LOCK = threading.Lock()
+_ABANDONED_KEPT = 64
+
+
+@dataclass(eq=False)
+class Abandoned:
+    """An ``irecv`` (its group, source and tag), registered once a ``wait(timeout)`` of its
+    handle expired (``expired``); its helper thread calls ``ended`` when the receive ends."""
+
+    group: torch_dist.ProcessGroup | None
+    src: int | None
+    tag: int
+    timeout: float = 0.0
+    handle: weakref.ref[Work] | None = None
+    ended_from: int | None = None  # the sender whose message it took, once ended
+    is_ended: bool = False
+
+    def expired(self, work: Work, timeout: float) -> str:
+        """Register the receive (once); return the timeout error's account of the peer."""
+        with _ABANDONED_LOCK:
+            if self.handle is None:
+                self.timeout, self.handle = timeout, weakref.ref(work)
+                if len(_ABANDONED) >= _ABANDONED_KEPT:
+                    del _ABANDONED[0]
+                _ABANDONED.append(self)
+        earlier = abandoned_cause(self.group, self.src, self.tag, work)
+        peer = "any rank" if self.src is None else f"rank {self.src}"
+        posted = (
+            f"This receive stays posted: the next message from {peer} with tag {self.tag} "
+            "goes into its tensor, not into a later recv; wait on this handle again to take "
+            "it."
+        )
+        if earlier is not None:
+            return f"{earlier} {posted}"
+        who = "Rank(s) any" if self.src is None else f"Rank(s) {self.src}"
+        return f"{who} (the peer) not heard from: no matching call yet, or dead. {posted}"
+
+    def ended(self, work: Work) -> None:
+        """Note, from the helper thread, that the receive ended (and what it took)."""
+        self.ended_from = work._source if work._source >= 0 else None
+        self.is_ended = True
+
+    def took(self) -> int | None:
+        """The sender whose message the receive took (its header came), else None."""
+        if self.is_ended:
+            return self.ended_from
+        handle = None if self.handle is None else self.handle()
+        return None if handle is None or handle._source < 0 else handle._source
+
+    def describe(self) -> str:
+        peer = "any rank" if self.src is None else f"rank {self.src}"
+        start = (
+            f"an earlier irecv from {peer} (tag {self.tag}) whose wait(timeout={self.timeout:g} s)"
+        )
+        sender = self.took()
+        if sender is None:
+            return f"{start} expired is still posted and takes the next message first"
+        return (
+            f"{start} expired stayed posted and took the next message rank {sender} sent "
+            "(into that irecv's tensor)"
+        )
+
+
+def _same_group(a: torch_dist.ProcessGroup | None, b: torch_dist.ProcessGroup | None) -> bool:
+    world = torch_dist.group.WORLD
+    return (world if a is None else a) is (world if b is None else b)
+
+
+def abandoned_cause(
+    group: torch_dist.ProcessGroup | None, src: int | None, tag: int, work: Work | None
+) -> str | None:
+    """Why a receive from ``src`` (None: any rank) with ``tag`` on ``group`` got nothing
+    or the wrong message, when an abandoned ``irecv`` (other than ``work`` itself) can
+    explain it: it is still posted, or it took a message; else None. Records of handles
+    waited to completion since are dropped, and those of ended receives once told."""
+    with _ABANDONED_LOCK:
+        found: list[Abandoned] = []
+        for record in list(_ABANDONED):
+            handle = None if record.handle is None else record.handle()
+            if handle is not None and handle._done:  # the caller took its message after all
+                _ABANDONED.remove(record)
+                continue
+            if (handle is not None and handle is work) or (
+                record.is_ended and record.ended_from is None
+            ):  # itself, or a receive that ended without a message (a timeout, a lost peer)
+                if record.is_ended:
+                    _ABANDONED.remove(record)
+                continue
+            theirs = record.took() if record.took() is not None else record.src
+            peers_meet = theirs is None or src is None or theirs == src
+            if peers_meet and record.tag == tag and _same_group(record.group, group):
+                found.append(record)
+                if record.is_ended:
+                    _ABANDONED.remove(record)
+    if not found:
+        return None
+    told = "; ".join(record.describe() for record in found)
+    return (
+        f"The peer is probably not to blame: {told}. A receive whose wait(timeout) expired "
+        "stays posted until a message comes; wait on its handle again (it completes with "
+        "the next message) instead of posting another receive, or give its wait a longer "
+        "timeout."
+    )

@@ -5,6 +5,14 @@ integer means). The long path (`prepare_reduction`) moves a flat buffer
 with an all-to-all and an all-gather after the handshake; `backend_reduce` is the
 unchecked path, the backend's own all-reduce. The tensor, dict and parameter collectives
 all reduce through here.
+
+One rule of precision holds on every path: values are combined in ``_accumulator(dtype)``
+(float32 for the 16- and 8-bit floats, int64 for the integers) and ``_settle`` divides a
+mean there and rounds once, back to the dtype. The backend's own reductions therefore move
+the sums, means and products of the narrow floats as float32 (``backend_dtype``): a
+float16 mean of 40000 on every rank is 40000 although the float16 sum overflows, and a
+result out of the dtype's range (a sum or product past 65504 in float16) rounds to inf, as
+torch's cast does.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from ._route import gather_rows
 __all__ = [
     "BackendReduction",
     "Reduction",
+    "backend_dtype",
     "backend_reduce",
     "check_op_dtype",
     "inline_rows",
@@ -117,6 +126,48 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.int64
 
 
+def backend_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    """The dtype the backend's own reduction of ``dtype`` by ``op`` moves and combines in.
+
+    The accumulator (``_accumulator``) where rounding in the dtype would give another
+    result than ``reduce_rows``: the sums, means and products of the floats narrower than
+    float32 (twice the bytes of float16 or bfloat16 on the wire). Integer means travel as
+    int64 sums (made exact by ``_settle``), bools as uint8. Everything else keeps its dtype:
+    max and min are exact in any dtype, and an integer sum or product wraps the same way in
+    the dtype as in int64 cast back.
+    """
+    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+        return torch.int64
+    if dtype == torch.bool:
+        return torch.uint8
+    if op in ("sum", "mean", "product") and (dtype.is_floating_point or dtype.is_complex):
+        return _accumulator(dtype)
+    return dtype
+
+
+def _settle(
+    acc: torch.Tensor,
+    op: str,
+    world: int,
+    dtype: torch.dtype,
+    operation: str,
+    *,
+    exact: bool = True,
+) -> torch.Tensor:
+    """The end of every reduction: ``acc`` holds the values of ``world`` ranks combined in
+    the accumulator (``_accumulator`` or ``backend_dtype``); divide a mean there and round
+    once to ``dtype`` (out of its range: inf, as torch's cast). An integer mean is exact or
+    a ValueError; with ``exact=False`` its int64 sums are returned for the caller to check.
+    May divide ``acc`` in place."""
+    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+        return _exact_mean(acc, world, dtype, operation).to(dtype) if exact else acc
+    if op == "mean":
+        acc.div_(world)
+    if dtype == torch.uint64 and acc.dtype == torch.int64:
+        return (acc ^ _SIGN if op in ("max", "min") else acc).view(torch.uint64)
+    return acc.to(dtype)
+
+
 _SIGN = -(2**63)  # flips uint64's order into int64's
 
 
@@ -156,14 +207,7 @@ def reduce_rows(rows: torch.Tensor, op: str, operation: str, *, exact: bool = Tr
             acc = torch.maximum(acc, row, out=out)
         else:
             acc = torch.minimum(acc, row, out=out)
-    integral = not (dtype.is_floating_point or dtype.is_complex)
-    if op == "mean" and integral:
-        return _exact_mean(acc, world, dtype, operation).to(dtype) if exact else acc
-    if op == "mean":
-        acc.div_(world)
-    if dtype == torch.uint64:
-        return (acc ^ _SIGN if op in ("max", "min") else acc).view(torch.uint64)
-    return acc.to(dtype)
+    return _settle(acc, op, world, dtype, operation, exact=exact)
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -288,7 +332,8 @@ def backend_reduce(
     """Reduce ``parts`` (one dtype) as one flat buffer with the backend's own all-reduce.
 
     The unchecked path: no handshake, the backend's reduction order. Integer means stay
-    exact (int64 sums, checked on every rank); bools reduce as uint8.
+    exact (int64 sums, checked on every rank); bools reduce as uint8; the narrow floats'
+    sums, means and products in float32 (``backend_dtype``), rounded once by ``_settle``.
     """
     handle, finish = start_backend_reduce(parts, op, group, operation)
     with transport(operation, group):
@@ -351,18 +396,20 @@ class BackendReduction:
         dtype = parts[0].dtype
         check_op_dtype(dtype, op, operation)
         device = get_comm_device(group)
-        self.exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
-        self.wire = torch.int64 if self.exact else torch.uint8 if dtype == torch.bool else dtype
+        self.wire = backend_dtype(dtype, op)  # the accumulator where the dtype would round
         self.dtype, self.op, self.group, self.operation = dtype, op, group, operation
         first = parts[0]
-        if inplace and not self.exact and len(parts) == 1 and _own_buffer(first, device, self.wire):
+        # an integer mean is summed apart: an inexact one leaves the tensor unchanged
+        exact = op == "mean" and not (dtype.is_floating_point or dtype.is_complex)
+        if inplace and not exact and len(parts) == 1 and _own_buffer(first, device, self.wire):
             self.work = first.detach().view(-1)
+        elif len(parts) == 1:  # a cached buffer (no page faults); copy_ converts the dtype
+            flat = first.detach().reshape(-1)
+            self.work = _empty(flat.numel(), self.wire, device).copy_(flat)
         else:
-            flats = [p.detach().reshape(-1).to(device=device, dtype=self.wire) for p in parts]
-            if len(flats) == 1:  # a cached buffer: no page faults on a fresh allocation
-                self.work = _empty(flats[0].numel(), self.wire, device).copy_(flats[0])
-            else:
-                self.work = torch.cat(flats)
+            self.work = torch.cat(
+                [p.detach().reshape(-1).to(device=device, dtype=self.wire) for p in parts]
+            )
 
     def start(
         self, dst: int = -1, *, async_op: bool = True
@@ -380,11 +427,7 @@ class BackendReduction:
                 handle = torch_dist.all_reduce(work, torch_op, group=group, async_op=async_op)
 
         def finish() -> torch.Tensor:
-            if self.exact:
-                return _exact_mean(work, get_world_size(group), self.dtype, self.operation)
-            if self.op == "mean":
-                work.div_(get_world_size(group))
-            return work if self.wire == self.dtype else work.to(self.dtype)
+            return _settle(work, self.op, get_world_size(group), self.dtype, self.operation)
 
         return handle, finish
 

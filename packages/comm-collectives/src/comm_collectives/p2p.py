@@ -30,6 +30,7 @@ from ._buffers import empty_bytes
 from ._frame import Header
 from ._modes import local_fault
 from ._p2p_wire import (
+    Abandoned,
     _announce_failure,
     _check_peer,
     _device_code,
@@ -115,6 +116,11 @@ def irecv(
     The arguments are those of [`recv`][comm_collectives.recv]. After ``wait()``, ``tensor``
     holds the data and ``source_rank()`` names the sender.
 
+    A receive whose ``wait(timeout=...)`` expired stays posted: it takes the next message
+    from ``src`` with ``tag`` (into ``tensor``) before any later receive does, so wait on
+    the same handle again rather than posting another receive. A later receive that then
+    gets nothing, or the message after, says so in its error.
+
     Raises:
         ValueError: ``src`` is not another rank of the group (raised here).
         CollectiveMismatchError: At ``wait()``: the sender sent another shape, dtype,
@@ -127,11 +133,18 @@ def irecv(
         _check_peer("recv", src, group, "src")
     _tags(tag)
     site = _own_site()  # taken here: the body runs in the handle's helper thread
+    # registered if a wait(timeout) expires: the receive stays posted and takes the next
+    # message, so a later receive's error can name it as the cause
+    record = Abandoned(group, src, tag)
 
     def body(work: Work) -> None:
-        work._source = _receive("recv", tensor, None, src, group, tag, work, site)
+        try:
+            work._source = _receive("recv", tensor, None, src, group, tag, work, site)
+        finally:
+            record.ended(work)
 
-    return Work("recv", group, peers=[] if src is None else [src], body=body)
+    peers = [] if src is None else [src]
+    return Work("recv", group, peers=peers, body=body, expired=record.expired)
 
 
 def recv(

@@ -76,8 +76,12 @@ class Work:
         *,
         peers: Sequence[int] | None = None,
         body: Callable[[Work], None] | None = None,
+        expired: Callable[[Work, float], str] | None = None,
     ) -> None:
         self._operation = operation
+        # called when a wait(timeout) of a handle with a body expires; returns the timeout
+        # error's account of the ranks not heard from ("" for the default one)
+        self._expired = expired
         self._group = group
         self._works = list(works)
         self._finish = finish
@@ -143,7 +147,9 @@ class Work:
             CommTimeoutError: ``timeout`` passed first; the message names the ranks not heard
                 from (the peer of a point-to-point call; else the ranks that did not report
                 alive within a few seconds: dead, or busy elsewhere). The handle stays
-                pending: a later ``wait`` may still complete it.
+                pending: a later ``wait`` may still complete it. An ``irecv`` stays posted:
+                it takes the next message from its peer (with its tag) before any later
+                receive does.
             RemoteRankError: A peer died in the transfer (named), or the sender of a
                 receive failed (its error).
             CollectiveMismatchError: A receive found that the sender sent another shape,
@@ -160,12 +166,14 @@ class Work:
             if self._thread is not None:
                 self._thread.join(seconds)
                 if self._thread.is_alive():
-                    raise _Expired("no answer")
+                    note = "" if self._expired is None else self._expired(self, seconds or 0.0)
+                    raise _Expired("no answer", note)
             else:
                 for work in self._works:
                     self._wait_one(work, deadline)
         except _Expired as expired:
-            raise self._timeout_error(time.monotonic() - started, seconds, expired.text) from None
+            waited = time.monotonic() - started
+            raise self._timeout_error(waited, seconds, expired.text, expired.note) from None
         if self._error is not None:
             raise self._error
         if self._finish is not None:
@@ -203,9 +211,13 @@ class Work:
             self._error = exc
             raise
 
-    def _timeout_error(self, waited: float, timeout: float | None, text: str) -> CommTimeoutError:
+    def _timeout_error(
+        self, waited: float, timeout: float | None, text: str, note: str = ""
+    ) -> CommTimeoutError:
         me, world = get_rank(self._group), get_world_size(self._group)
-        if self._peers is not None:
+        if note:  # the hook's account of who was not heard from, and why
+            who = note
+        elif self._peers is not None:
             named = ", ".join(map(str, self._peers)) if self._peers else "any"
             who = f"Rank(s) {named} (the peer) not heard from: no matching call yet, or dead."
         else:
@@ -225,9 +237,10 @@ class Work:
 
 
 class _Expired(Exception):
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, note: str = "") -> None:
         super().__init__(text)
         self.text = text
+        self.note = note
 
 
 def completed_work(operation: str = "") -> Work:
