@@ -51,6 +51,7 @@ __all__ = [
     "CommFullyShardedDataParallel2",
     "CommRunnerHook",
     "CommSeparateDistributedDataParallel",
+    "attach_runner_hook",
     "comm_wrappers_in_use",
     "use_comm_wrappers",
 ]
@@ -104,6 +105,7 @@ def _register() -> None:
     for wrapper in bases:
         child.register_module(name=wrapper.__name__, module=wrapper, force=True)
     _bridge_mmengine_wrappers()
+    check_runner_sharded_models()
     if restarts_allowed():
         route_runner_init_dist()
 
@@ -133,6 +135,89 @@ def route_runner_init_dist() -> bool:
         return False
     runner_module.init_dist = _comm_init_dist
     return True
+
+
+def attach_runner_hook(runner: Any) -> None:
+    """Give a classic ``Runner`` a `CommRunnerHook` unless one is registered (idempotent).
+
+    Called by comm's wrappers when the runner's ``wrap_model`` builds one: that happens in
+    the runner's ``__init__`` before its hooks exist, so the hook is added right after the
+    runner registers its own (``default_hooks``, ``custom_hooks``). A runner whose hooks
+    exist already gets it at once. A `CommRunnerHook` (or subclass) the user added is
+    kept, and no second one is added.
+    """
+    hooks = getattr(runner, "_hooks", None)
+    if hooks is None:
+        if "register_hooks" in vars(runner):
+            return  # attached already, waiting for the runner's hooks
+        original = runner.register_hooks
+
+        def register_hooks(*args: Any, **kwargs: Any) -> Any:
+            del runner.register_hooks  # back to the class's method
+            result = original(*args, **kwargs)
+            attach_runner_hook(runner)
+            return result
+
+        # On this runner object only: MMEngine's class is not changed.
+        runner.register_hooks = register_hooks
+        return
+    if not any(isinstance(hook, CommRunnerHook) for hook in hooks):
+        runner.register_hook(CommRunnerHook())
+
+
+def check_runner_sharded_models() -> bool:
+    """Make the classic ``Runner`` refuse a sharded model it has no `CommRunnerHook` for.
+
+    Without the hook, the runner's ``train()`` broadcasts each tensor of
+    ``model.module.state_dict()`` (shards of different sizes per rank: gloo aborts the
+    process, FSDP2's DTensors raise) and saves rank 0's shard alone. comm's wrappers built
+    by the runner bring the hook (`attach_runner_hook`); a sharded model built elsewhere
+    and passed as ``model=`` does not. The runner asks ``is_model_wrapper(self.model)``
+    before either step (first in ``train()``; in ``load_checkpoint()`` and
+    ``save_checkpoint()``): this routes that name in MMEngine's runner module (as
+    `route_runner_init_dist` does ``init_dist``) to a check that raises a ``ValueError``
+    naming what to add there, on every rank in ``train()`` and ``load_checkpoint()``.
+    Its answers are unchanged. Done when the integration is imported; returns whether the
+    check is in place (False when ``mmengine.runner`` cannot be imported).
+    """
+    try:
+        import mmengine.runner.runner as runner_module
+    except ImportError:  # mmengine.runner needs OpenCV; without it there is no Runner
+        return False
+    current = runner_module.is_model_wrapper
+    if getattr(current, "_comm_checks_sharded", False):
+        return True
+    answer = current
+
+    def is_model_wrapper(model: Any, *args: Any, **kwargs: Any) -> bool:
+        wrapped = bool(answer(model, *args, **kwargs))
+        if wrapped and _sharded_root(model) is not None:
+            caller = sys._getframe(1)
+            runner = caller.f_locals.get("self")
+            if isinstance(runner, runner_module.Runner):
+                _require_runner_hook(runner, model, caller.f_code.co_name)
+        return wrapped
+
+    is_model_wrapper._comm_checks_sharded = True  # type: ignore[attr-defined]
+    is_model_wrapper.__wrapped__ = answer  # type: ignore[attr-defined]
+    runner_module.is_model_wrapper = is_model_wrapper
+    return True
+
+
+def _require_runner_hook(runner: Any, model: Any, step: str) -> None:
+    hooks = getattr(runner, "_hooks", None)
+    if hooks is None or any(isinstance(hook, CommRunnerHook) for hook in hooks):
+        return  # the runner is still being built (wrap_model), or it has the hook
+    message = (
+        f"Runner.{step}() on rank {runner.rank} (world_size={runner.world_size}): the "
+        f"model is a sharded wrapper ({type(model).__name__}) and the runner has no "
+        "CommRunnerHook, without which it would broadcast shards of different sizes and "
+        "save rank 0's shard alone. Add custom_hooks=[dict(type='CommRunnerHook')] to the "
+        "Runner (after `import comm_strategies.integrations.mmengine`), or let the Runner "
+        "build the wrapper: model_wrapper_cfg=dict(type='CommFullyShardedDataParallel') "
+        "adds the hook itself"
+    )
+    raise ValueError(message)
 
 
 def _unwrap_mmengine(wrapper: Any) -> Any:
@@ -258,7 +343,11 @@ def _comm_init_dist(
 class CommRunnerHook(Hook):  # type: ignore[misc]
     """What comm's wrappers need from MMEngine's classic ``Runner``, beside ``CheckpointHook``.
 
-    Add it with ``custom_hooks=[dict(type="CommRunnerHook")]``. It does these things:
+    comm's wrappers built by the ``Runner`` (``model_wrapper_cfg=dict(type="Comm...")``)
+    add it themselves (`attach_runner_hook`); a wrapper built by hand and passed as
+    ``model=`` needs ``custom_hooks=[dict(type="CommRunnerHook")]``. Added more than once,
+    the first one the runner calls does the work and the others do nothing. It does these
+    things:
 
     - A run started again by the launcher (``resume=True``) goes on from the newest whole
       checkpoint: before the runner reads ``work_dir/last_checkpoint``, rank 0 corrects
@@ -295,8 +384,15 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
     def __init__(self) -> None:
         self._full: tuple[dict[str, Any], dict[str, Any] | None] | None = None
 
+    def _acts_for(self, runner: Any) -> bool:
+        """Whether this hook is the one acting for ``runner`` (the first one called)."""
+        acting = runner.__dict__.setdefault("_comm_runner_hook", self)
+        return acting is self
+
     def before_run(self, runner: Any) -> None:
         """Make saves whole or absent, sharded state gathered; point auto resume right."""
+        if not self._acts_for(runner):
+            return
         write_whole_files(runner)
         self._gather_before_saves(runner)
         repair_auto_resume(runner)
@@ -352,6 +448,8 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
 
     def before_save_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
         """Put the gathered full state in; make the rest loadable with ``weights_only``."""
+        if not self._acts_for(runner):
+            return
         if self._full is not None:
             model_state, optim_state = self._full
             checkpoint["state_dict"] = {k: v.detach().cpu() for k, v in model_state.items()}
@@ -370,6 +468,8 @@ class CommRunnerHook(Hook):  # type: ignore[misc]
 
     def after_load_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
         """Read the message hub back; load full state into a sharded model's shards."""
+        if not self._acts_for(runner):
+            return
         if "message_hub" in checkpoint:
             checkpoint["message_hub"] = decode_message_hub(checkpoint["message_hub"])
         root = _sharded_root(runner.model)

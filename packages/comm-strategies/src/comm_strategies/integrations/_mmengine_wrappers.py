@@ -1,10 +1,14 @@
 """comm's model wrappers as MMEngine's classic ``Runner`` builds them (``Comm*``).
 
-Registered in MMEngine's ``MODEL_WRAPPERS`` by ``_mmengine_runner``.
+Registered in MMEngine's ``MODEL_WRAPPERS`` by ``_mmengine_runner``. Built by a
+``Runner`` (its ``wrap_model``, from ``model_wrapper_cfg``), each gives that runner a
+`CommRunnerHook` unless it has one (`attach_runner_hook`).
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any
 
 import torch
@@ -48,6 +52,29 @@ def _without_cpu_device_ids(module: nn.Module, kwargs: dict[str, Any]) -> dict[s
     return kwargs
 
 
+def _attach_to_building_runner() -> None:
+    """Give the ``Runner`` whose ``wrap_model`` is building this wrapper a `CommRunnerHook`.
+
+    The runner is the ``self`` of the nearest ``wrap_model`` frame that is a ``Runner``'s
+    (MMEngine's ``wrap_model`` builds ``model_wrapper_cfg`` through ``MODEL_WRAPPERS``); a
+    wrapper built anywhere else (by hand, or by ``FlexibleRunner``'s strategies) changes
+    nothing. The hook is attached once (`attach_runner_hook`).
+    """
+    runner_module = sys.modules.get("mmengine.runner.runner")
+    if runner_module is None:  # no Runner can exist before its module is imported
+        return
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "wrap_model":
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, runner_module.Runner):
+                from ._mmengine_runner import attach_runner_hook  # imports this module
+
+                attach_runner_hook(candidate)
+                return
+        frame = frame.f_back
+
+
 class CommDistributedDataParallel(MMDistributedDataParallel):
     """comm's `MMDistributedDataParallel` as MMEngine's ``Runner`` builds it.
 
@@ -68,6 +95,7 @@ class CommDistributedDataParallel(MMDistributedDataParallel):
             detect_anomalous_params=detect_anomalous_params,
             **_without_cpu_device_ids(module, ddp_kwargs),
         )
+        _attach_to_building_runner()
 
 
 class CommSeparateDistributedDataParallel(MMSeparateDistributedDataParallel):
@@ -85,6 +113,7 @@ class CommSeparateDistributedDataParallel(MMSeparateDistributedDataParallel):
         if _module_on_cpu(module):
             kwargs = {k: v for k, v in kwargs.items() if k not in ("device_ids", "output_device")}
         super().__init__(module, **kwargs)
+        _attach_to_building_runner()
 
 
 def _init_before_sharding(module: nn.Module) -> None:
@@ -112,6 +141,7 @@ class CommFullyShardedDataParallel2(MMFullyShardedDataParallel2):
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         _init_before_sharding(module)
         super().__init__(module, **kwargs)
+        _attach_to_building_runner()
 
 
 class CommFullyShardedDataParallel(MMFullyShardedDataParallel):
@@ -121,6 +151,8 @@ class CommFullyShardedDataParallel(MMFullyShardedDataParallel):
     torch's ``FullyShardedDataParallel``); ``fsdp_version=2`` builds a
     `CommFullyShardedDataParallel2` (``fully_shard``), with the same option forms. The
     model's ``init_weights`` runs before sharding, and rank 0's values are broadcast.
+    Built by the ``Runner`` (``model_wrapper_cfg``), either version gives that runner the
+    `CommRunnerHook` it needs (once; one added by hand is used instead).
 
     Args:
         module: The model.
@@ -143,3 +175,4 @@ class CommFullyShardedDataParallel(MMFullyShardedDataParallel):
     def __init__(self, module: nn.Module, fsdp_version: int = 1, **kwargs: Any) -> None:
         _init_before_sharding(module)
         super().__init__(module, **kwargs)
+        _attach_to_building_runner()
