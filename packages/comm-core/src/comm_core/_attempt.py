@@ -95,8 +95,10 @@ def _ask(store: Store, rank: int, deadline: float) -> str:
     except Exception as exc:  # the store's timeout (RuntimeError or DistStoreError)
         message = (
             f"init_dist: rank {rank} asked rank 0 for this launch attempt's token and got no "
-            "answer in time. Rank 0 has not started, died, or waits for another store: check "
-            "rank 0's log; a larger timeout= gives a slow rank 0 more time."
+            "answer in time. Rank 0 has not started, died, uses another store, or is still "
+            "waiting for other ranks to reach the store (a store rank 0 hosts waits for every "
+            "rank to connect): check which ranks started and rank 0's log; a larger timeout= "
+            "gives slow ranks more time."
         )
         raise CommTimeoutError(message) from exc
     token = store.get(answer).decode()

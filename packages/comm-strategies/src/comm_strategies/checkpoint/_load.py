@@ -292,7 +292,12 @@ def find_latest(work_dir: str | os.PathLike[str]) -> Path | None:
 
     Finished means: its manifest is there and readable (the manifest is written last and
     the folder renamed into place after every rank finished, so a save killed half-way
-    never counts). Newest by the manifest's ``saved_at``. No process group needed.
+    never counts), and every file it lists is there at its size (a checkpoint damaged by a
+    machine's crash is passed over for the one before it). A save killed between hiding
+    the checkpoint it replaces and renaming its own finished folder into place left no
+    folder under its name: its finished temporary folder is then returned (the next save
+    in that folder puts it back under its name). Newest by the manifest's ``saved_at``.
+    No process group needed.
 
     Examples:
         >>> import tempfile, torch
@@ -308,5 +313,7 @@ def find_latest(work_dir: str | os.PathLike[str]) -> Path | None:
     folder = Path(work_dir)
     if not folder.is_dir():
         return None
-    found = _publish.newest_first(folder)  # the order retention (keep_last) keeps too
+    # the order retention (keep_last) keeps too; whole checkpoints only, and one whose
+    # publish a kill cut between its two renames (loaded from its temporary name)
+    found = _publish.newest_first(folder, whole=True, unpublished=True)
     return found[0] if found else None

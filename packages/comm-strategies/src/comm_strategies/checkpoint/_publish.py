@@ -157,25 +157,46 @@ def finish(temporary: Path, final: Path) -> None:
         _delete_later(old)
 
 
-def newest_first(parent: Path) -> list[Path]:
+def newest_first(parent: Path, *, whole: bool = False, unpublished: bool = False) -> list[Path]:
     """The complete checkpoints this package wrote in ``parent``, newest first.
 
-    The order is `find_latest`'s: by the manifest's ``saved_at``, then by name; hidden
-    names (temporary and replaced folders) never count. Only folders whose manifest this
-    package wrote (`_is_checkpoint`) are listed, and no symbolic link (a ``latest`` link to
-    one of them is not a second checkpoint).
+    The order is `find_latest`'s: by the manifest's ``saved_at``, then by name. Only
+    folders whose manifest this package wrote (`_is_checkpoint`) are listed, and no
+    symbolic link (a ``latest`` link to one of them is not a second checkpoint). Hidden
+    names (temporary and replaced folders) never count, but with ``unpublished`` a finished
+    temporary folder ``.NAME.tmp-*`` counts when no ``NAME`` is there: its save was killed
+    between hiding the checkpoint it replaced and renaming itself into place. With
+    ``whole``, a checkpoint counts only when every file its manifest lists is there at the
+    size it lists (a machine that crashed can leave a file short).
     """
+    entries = list(parent.iterdir())
+    visible = {entry.name for entry in entries if not entry.name.startswith(".")}
     found: list[tuple[tuple[float, str], Path]] = []
-    for candidate in parent.iterdir():
-        if candidate.name.startswith(".") or candidate.is_symlink() or not candidate.is_dir():
+    for candidate in entries:
+        if candidate.name.startswith("."):
+            cut = _UNPUBLISHED.fullmatch(candidate.name)
+            if not (unpublished and cut and cut.group(1) not in visible):
+                continue
+        if candidate.is_symlink() or not candidate.is_dir():
             continue
         try:
             manifest = read_manifest(candidate)
         except CheckpointError:  # none, damaged, or another program's
             continue
-        if "comm-strategies" in manifest.versions:
-            found.append(((manifest.saved_at, candidate.name), candidate))
+        if "comm-strategies" not in manifest.versions:
+            continue
+        if whole and not _whole(candidate, manifest.files):
+            continue
+        found.append(((manifest.saved_at, candidate.name), candidate))
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+
+
+def _whole(folder: Path, files: dict[str, int]) -> bool:
+    """Whether every file of ``files`` (name: size) is in ``folder`` at its size."""
+    try:
+        return all((folder / name).stat().st_size == size for name, size in files.items())
+    except OSError:
+        return False
 
 
 def retain(final: Path, keep_last: int) -> list[Path]:
@@ -263,6 +284,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 _LEFTOVER = re.compile(r"\..+\.(tmp|old)-[0-9a-f]{12}")  # temporary_name's, retain's names
+_UNPUBLISHED = re.compile(r"\.(.+)\.tmp-[0-9a-f]{12}")  # temporary_name's, with NAME
 _swept: set[Path] = set()  # the folders whose leftovers this process has removed
 
 
@@ -282,12 +304,22 @@ def _remove_stale(final: Path) -> None:
         prefixes: tuple[str, ...] = (f".{final.name}.tmp-", f".{final.name}.old-")
         found = [parent / name for name in names if name.startswith(prefixes)]
     else:
-        found = [parent / name for name in names if _LEFTOVER.fullmatch(name)]
         _swept.add(parent)
+        # a save killed between its two renames: its finished folder is the checkpoint
+        for unpublished in newest_first(parent, whole=True, unpublished=True):
+            if unpublished.name.startswith(".") and not (parent / _name_of(unpublished)).exists():
+                os.replace(unpublished, parent / _name_of(unpublished))
+        names = [name for name in names if (parent / name).exists()]
+        found = [parent / name for name in names if _LEFTOVER.fullmatch(name)]
     for stale in found:
         thread = _deleting.get(stale)
         if thread is None or not thread.is_alive():  # not being deleted already
             _remove_entry(stale)
+
+
+def _name_of(unpublished: Path) -> str:
+    match = _UNPUBLISHED.fullmatch(unpublished.name)
+    return match.group(1) if match else unpublished.name
 
 
 def _remove_entry(path: Path) -> None:
