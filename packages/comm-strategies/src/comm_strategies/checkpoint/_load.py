@@ -293,10 +293,10 @@ def find_latest(work_dir: str | os.PathLike[str]) -> Path | None:
     Finished means: its manifest is there and readable (the manifest is written last and
     the folder renamed into place after every rank finished, so a save killed half-way
     never counts), and every file it lists is there at its size (a checkpoint damaged by a
-    machine's crash is passed over for the one before it). A save killed between hiding
-    the checkpoint it replaces and renaming its own finished folder into place left no
-    folder under its name: its finished temporary folder is then returned (the next save
-    in that folder puts it back under its name). Newest by the manifest's ``saved_at``.
+    machine's crash is passed over for the one before it). Temporary folders never count
+    but for one case: a save killed between hiding the checkpoint it replaces and renaming
+    its own finished folder into place left no folder under its name; its finished
+    temporary folder is then returned (the next save in that folder puts it back). Newest by the manifest's ``saved_at``.
     No process group needed.
 
     Examples:

@@ -164,18 +164,20 @@ def newest_first(parent: Path, *, whole: bool = False, unpublished: bool = False
     folders whose manifest this package wrote (`_is_checkpoint`) are listed, and no
     symbolic link (a ``latest`` link to one of them is not a second checkpoint). Hidden
     names (temporary and replaced folders) never count, but with ``unpublished`` a finished
-    temporary folder ``.NAME.tmp-*`` counts when no ``NAME`` is there: its save was killed
-    between hiding the checkpoint it replaced and renaming itself into place. With
+    temporary folder ``.NAME.tmp-*`` counts when no ``NAME`` is there and a replaced
+    ``.NAME.old-*`` is: its save was killed between hiding the checkpoint it replaced and
+    renaming itself into place (no complete ``NAME`` would be left otherwise). With
     ``whole``, a checkpoint counts only when every file its manifest lists is there at the
     size it lists (a machine that crashed can leave a file short).
     """
     entries = list(parent.iterdir())
     visible = {entry.name for entry in entries if not entry.name.startswith(".")}
+    replaced = {m.group(1) for e in entries if (m := _REPLACED.fullmatch(e.name)) is not None}
     found: list[tuple[tuple[float, str], Path]] = []
     for candidate in entries:
         if candidate.name.startswith("."):
             cut = _UNPUBLISHED.fullmatch(candidate.name)
-            if not (unpublished and cut and cut.group(1) not in visible):
+            if not (unpublished and cut and _cut_between(cut.group(1), visible, replaced)):
                 continue
         if candidate.is_symlink() or not candidate.is_dir():
             continue
@@ -189,6 +191,11 @@ def newest_first(parent: Path, *, whole: bool = False, unpublished: bool = False
             continue
         found.append(((manifest.saved_at, candidate.name), candidate))
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+
+
+def _cut_between(name: str, visible: set[str], replaced: set[str]) -> bool:
+    """Whether a publish of ``name`` was cut between its two renames."""
+    return name not in visible and name in replaced
 
 
 def _whole(folder: Path, files: dict[str, int]) -> bool:
@@ -285,6 +292,7 @@ def _fsync_dir(folder: Path) -> None:
 
 _LEFTOVER = re.compile(r"\..+\.(tmp|old)-[0-9a-f]{12}")  # temporary_name's, retain's names
 _UNPUBLISHED = re.compile(r"\.(.+)\.tmp-[0-9a-f]{12}")  # temporary_name's, with NAME
+_REPLACED = re.compile(r"\.(.+)\.old-[0-9a-f]{12}")  # finish's and retain's, with NAME
 _swept: set[Path] = set()  # the folders whose leftovers this process has removed
 
 
