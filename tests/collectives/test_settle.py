@@ -30,7 +30,7 @@ def late_peer() -> dict[str, Any]:
     started = time.perf_counter()
     work = _route.gather_rows(out, mine, None, async_op=True)
     assert work is not None
-    _route.settle(work)
+    _route.settle(work, "all_gather", None, torch.device("cpu"))
     waited = time.perf_counter() - started
     # a whole collective behind a late rank: the handshake checks the shape, then the data
     data = torch.full((5000,), float(rank + 1))

@@ -88,7 +88,7 @@ def agree(
         work = gather_rows(votes, flag, route, async_op=True)
         assert work is not None
         if timeout is None:
-            settle(work)
+            settle(work, operation, route, device)
         else:
             try:
                 work.wait(timeout=timedelta(seconds=timeout))

@@ -5,6 +5,13 @@ that talk to it. [`transport`][comm_collectives._faults.transport] turns it into
 [`RemoteRankError`][comm_core.RemoteRankError] naming the ranks that did not answer a
 liveness check through the rendezvous store within a few seconds, or into a
 [`CommTimeoutError`][comm_core.CommTimeoutError] when the backend timed out.
+
+A rank that meets such an error also leaves a failure notice for the group in the store
+(``comm/failed/<group>/<n>``, the n-th failure this group has seen), so that the ranks
+blocked on it, which the backend tells nothing (they wait on a live peer), leave too:
+``_watch`` looks for the notice while it waits
+([`failure_notice`][comm_collectives._faults.failure_notice]), and a rank that finds one
+joins the same liveness check ([`join_failure`][comm_collectives._faults.join_failure]).
 """
 
 from __future__ import annotations
@@ -25,7 +32,14 @@ from comm_core import (
 
 from ._store import default_store, post_and_wait
 
-__all__ = ["peer_transport", "silent_ranks", "transport"]
+__all__ = [
+    "PeerLeftError",
+    "failure_notice",
+    "join_failure",
+    "peer_transport",
+    "silent_ranks",
+    "transport",
+]
 
 # How long a rank that saw a transport error waits for the others to report alive.
 _LIVENESS_WAIT_S = 3.0
@@ -54,7 +68,8 @@ def _transport_error(
 ) -> CommError:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     me = get_rank(group)
-    lost = silent_ranks(group)
+    notice = text if isinstance(exc, PeerLeftError) else f"rank {me} left the call: {text}"
+    lost = silent_ranks(group, notice=notice)
     if "timed out" in text.lower() or "timeout" in text.lower():
         silent = (
             f" Rank(s) {', '.join(map(str, lost))} did not report alive within "
@@ -90,23 +105,72 @@ def _transport_error(
     return RemoteRankError(operation, failures)
 
 
+# per group name: how many transport failures this rank has handled on the group (every
+# rank that leaves a call through ``_transport_error`` counts the failure once)
 _transport_failures: dict[str, int] = {}
 
 
-def silent_ranks(group: torch_dist.ProcessGroup | None) -> list[int] | None:
-    """The ranks of ``group`` that do not show up in the store within a few seconds
-    (None when the store cannot be reached)."""
+def _group_name(group: torch_dist.ProcessGroup | None) -> str:
     pg = group if group is not None else torch_dist.distributed_c10d._get_default_group()
-    name = str(getattr(pg, "group_name", "default"))
+    return str(getattr(pg, "group_name", "default"))
+
+
+def _notice_key(name: str, failure: int) -> str:
+    return f"comm/failed/{name}/{failure}"
+
+
+def silent_ranks(
+    group: torch_dist.ProcessGroup | None, *, notice: str | None = None
+) -> list[int] | None:
+    """The ranks of ``group`` that do not show up in the store within a few seconds
+    (None when the store cannot be reached).
+
+    With ``notice`` (the failure this rank met), the failure notice of the group is posted
+    first, unless another rank posted it already: the ranks blocked in a watched wait see it
+    and join this check (see ``_watch``).
+    """
+    name = _group_name(group)
     world, me = get_world_size(group), get_rank(group)
     # numbered: marks left by an earlier failure on this group (that every rank saw)
     # must not pass for marks of this one
     seen = _transport_failures[name] = _transport_failures.get(name, 0) + 1
     keys = [f"comm/alive/{name}/{seen}/{rank}" for rank in range(world)]
     try:
-        return post_and_wait(default_store(), keys, me, b"1", _LIVENESS_WAIT_S)
+        store = default_store()
+        if notice is not None:  # set once: the first rank's words stay
+            store.compare_set(_notice_key(name, seen), "", notice)
+        return post_and_wait(store, keys, me, b"1", _LIVENESS_WAIT_S)
     except Exception:
         return None
+
+
+class PeerLeftError(RuntimeError):
+    """Another rank of the group left the call after a transport error (its notice)."""
+
+
+def failure_notice(group: torch_dist.ProcessGroup | None) -> str | None:
+    """The failure notice another rank posted for ``group`` that this rank has not handled
+    yet (what that rank met), or None: none, or the store does not answer (the wait then
+    goes on, bounded by the backend's timeout)."""
+    name = _group_name(group)
+    key = _notice_key(name, _transport_failures.get(name, 0) + 1)
+    try:
+        store = default_store()
+        if not store.check([key]):
+            return None
+        return bytes(store.get(key)).decode("utf-8", "replace")
+    except Exception:
+        return None
+
+
+def join_failure(operation: str, notice: str, group: torch_dist.ProcessGroup | None) -> CommError:
+    """The error of a rank that found another rank's failure ``notice`` while it waited.
+
+    It takes part in the same liveness check as the rank that posted the notice, so it is
+    counted alive there, and it names the same lost ranks: the ones that never mark
+    themselves alive.
+    """
+    return _transport_error(operation, PeerLeftError(notice), group)
 
 
 @contextlib.contextmanager

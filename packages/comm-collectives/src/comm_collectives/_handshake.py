@@ -223,10 +223,10 @@ class PendingHandshake:
         if self._agreed is not None:
             return self._agreed
         header, route = self._header, self._route
+        assert self._table is not None
         if self._work is not None:
             with transport(header.operation, route):
-                settle(self._work)
-        assert self._table is not None
+                settle(self._work, header.operation, route, self._table.device)
         return _read_table(header, route, self._state, self._capacity, self._table, same, hint)
 
 

@@ -16,6 +16,8 @@ import torch.distributed as torch_dist
 
 from comm_core import get_comm_device, get_cpu_group
 
+from ._watch import wait_collective
+
 __all__ = [
     "SPIN_SECONDS",
     "all_gather_flat",
@@ -67,17 +69,23 @@ SPIN_SECONDS = 0.002
 _yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
-def settle(work: torch_dist.Work) -> None:
-    """Wait for ``work``, a small exchange that the data waits behind.
+def settle(
+    work: torch_dist.Work,
+    operation: str,
+    group: torch_dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """Wait for ``work``, a small exchange on ``group`` that the data waits behind.
 
     The rank polls it for up to ``SPIN_SECONDS``, giving its core away between polls, then
-    blocks on it as torch's ``wait`` does (the process group's timeout bounds both). A
-    blocked thread is woken only after the backend's thread has signalled it and the
-    scheduler has run it again; polling saves that hand-over on the critical path, where a
-    collective's data waits for the frames. Measured on two loopback gloo ranks bound to a
-    core each: a 4 KiB all-to-all in front of a 32 MB scatter cost 1.04-1.14x the bare
-    scatter blocked, 0.98-1.09x polled (4 runs of 60 pairs each); polling without giving
-    the core away was 1.4x, because gloo's own threads need that core.
+    blocks on it as torch's ``wait`` does, watched (``_watch.wait_collective``): a rank that
+    left the call after a transport error does not leave this one waiting for the process
+    group's timeout. A blocked thread is woken only after the backend's thread has
+    signalled it and the scheduler has run it again; polling saves that hand-over on the
+    critical path, where a collective's data waits for the frames. Measured on two loopback
+    gloo ranks bound to a core each: a 4 KiB all-to-all in front of a 32 MB scatter cost
+    1.04-1.14x the bare scatter blocked, 0.98-1.09x polled (4 runs of 60 pairs each);
+    polling without giving the core away was 1.4x, because gloo's own threads need that core.
     """
     deadline = time.perf_counter() + SPIN_SECONDS
     try:
@@ -85,7 +93,7 @@ def settle(work: torch_dist.Work) -> None:
             _yield()
     except RuntimeError:  # the work failed: its wait raises the backend's error
         pass
-    work.wait()
+    wait_collective(work, operation, group, device)
 
 
 # None: automatic; True forces the CPU route, False keeps the headers on the communication

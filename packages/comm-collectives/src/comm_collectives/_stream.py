@@ -24,8 +24,12 @@ Rank 0 posts its receives before it needs them: on gloo, a message that finds no
 posted waits for an exchange of notifications between the two ranks' transport threads,
 which costs milliseconds on a busy machine. For a stream it keeps ``WINDOW`` receives
 posted ahead of the one it reads. It cannot know where a stream ends, so after ``LAST`` or
-``FAILED`` the sender sends ``WINDOW - 1`` filler messages, one for each receive still
+``FAILED``, the sender sends ``WINDOW - 1`` filler messages, one for each receive still
 posted: nothing is left posted to catch a later call's messages.
+
+Every send and receive is waited on through ``_watch.wait_p2p``: a peer that left the call
+after a transport error (a sender whose handshake failed, a rank 0 that left) does not
+leave the other waiting for the process group's timeout.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch.distributed as torch_dist
 
 from ._buffers import empty_bytes
 from ._serialization import decode, frame_nbytes, frame_pieces, load, write_frame
+from ._watch import wait_p2p
 
 __all__ = [
     "CHUNK_BYTES",
@@ -62,6 +67,7 @@ DATA, LAST, FAILED, FILLER = 0, 1, 2, 3
 POST_AHEAD_BYTES = 4 * 1024 * 1024
 """A part sent as one message is received ahead (before the previous part is unpickled)
 only up to this size, so rank 0 holds at most one large part buffer at a time."""
+_OPERATION = "collect_results"  # the call the streams belong to, named in the errors
 
 
 class PeerFailedError(Exception):
@@ -88,7 +94,7 @@ class PartWriter:
     Attributes:
         stage: ``"pickling"`` (nothing announced yet), ``"announcing"`` (the handshake
             started, its outcome not known), ``"streaming"`` (chunks may follow) or
-            ``"closed"``.
+            ``"closed"`` (also after a failed send: what follows is the transport's error).
     """
 
     def __init__(
@@ -146,7 +152,7 @@ class PartWriter:
                 return
             frame = _frame([memoryview(self._pending), *buffers])
             self._announce(bytearray(), frame.numel())
-            torch_dist.send(frame.to(self._device), self._dst, group=self._group)
+            self._transfer(frame.to(self._device))
             return
         self.confirm()
         while len(self._pending) > _PAYLOAD:
@@ -156,7 +162,7 @@ class PartWriter:
         self._send(LAST, len(self._pending), 0 if extra is None else extra.numel())
         self._fill()
         if extra is not None:
-            torch_dist.send(extra.to(self._device), self._dst, group=self._group)
+            self._transfer(extra.to(self._device))
 
     def fail(self) -> None:
         """Tell the receiver that the rest of the stream will not come (stage ``"streaming"``)."""
@@ -180,14 +186,22 @@ class PartWriter:
         if nbytes:
             out[_HEAD : _HEAD + nbytes] = np.frombuffer(self._pending, dtype=np.uint8, count=nbytes)
             del self._pending[:nbytes]
-        torch_dist.send(self._chunk.to(self._device), self._dst, group=self._group)
+        self._transfer(self._chunk.to(self._device))
         self._sent += 1
 
     def _fill(self) -> None:
         self._chunk.numpy()[:24].view(np.int64)[:] = (FILLER, 0, 0)
-        message = self._chunk.to(self._device)
-        for _ in range(WINDOW - 1):
-            torch_dist.send(message, self._dst, group=self._group)
+        self._transfer(self._chunk.to(self._device), WINDOW - 1)
+
+    def _transfer(self, message: torch.Tensor, times: int = 1) -> None:
+        """Send ``message`` to the receiver ``times`` times (posted together, waited on
+        together); after a failure the stage is ``"closed"``."""
+        try:
+            works = [torch_dist.isend(message, self._dst, group=self._group) for _ in range(times)]
+            wait_p2p([w for w in works if w is not None], _OPERATION, self._group, self._device)
+        except BaseException:
+            self.stage = "closed"
+            raise
 
 
 def _frame(pieces: list[memoryview]) -> torch.Tensor:
@@ -298,7 +312,7 @@ class PartReader:
 
     def _receive_whole(self) -> torch.Tensor:
         self.post()
-        self._works[0].wait()
+        self._wait(self._works[0])
         self._received = True
         frame, self._slots = self._slots[0], []
         return frame
@@ -306,10 +320,13 @@ class PartReader:
     def _receive(self, slot: torch.Tensor) -> Any:
         return torch_dist.irecv(slot, self._src, group=self._group)
 
+    def _wait(self, works: Any) -> None:
+        wait_p2p(works, _OPERATION, self._group, self._device)
+
     def _pull(self) -> None:
         self.post()
         index = self._next % WINDOW
-        self._works[index].wait()
+        self._wait(self._works[index])
         slot = self._slots[index]
         message = slot.cpu().numpy()
         kind, nbytes, extra = message[:24].view(np.int64).tolist()
@@ -321,13 +338,13 @@ class PartReader:
             self._ended = True
             self._failed = kind == FAILED
             self._extra_nbytes = extra
-            for later in range(1, WINDOW):  # the fillers of the receives still posted
-                self._works[(index + later) % WINDOW].wait()
+            # the fillers of the receives still posted
+            self._wait([self._works[(index + later) % WINDOW] for later in range(1, WINDOW)])
         self._buffer.append(payload)
 
     def _receive_extra(self) -> None:
         frame = empty_bytes(self._extra_nbytes, self._device)
-        torch_dist.recv(frame, self._src, group=self._group)
+        self._wait(self._receive(frame))
         self._extra = frame_pieces(frame.cpu().numpy())[1:]
 
     def _extra_buffers(self) -> Iterator[memoryview]:

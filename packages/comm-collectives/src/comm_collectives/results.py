@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from comm_core import get_comm_device, get_cpu_group, get_rank, get_world_size
+from comm_core import CommError, get_comm_device, get_cpu_group, get_rank, get_world_size
 
 from ._agree import raise_everywhere
 from ._capacity import inline_capacity
@@ -37,6 +37,7 @@ from ._frame import Header, Inline, Peer, signature_of
 from ._handshake import handshake, start_handshake
 from ._serialization import decode, dump, encode
 from ._stream import POST_AHEAD_BYTES, PartReader, PartWriter, PeerFailedError
+from ._watch import wait_p2p
 from .tensors import global_rank
 
 __all__ = ["collect_results", "collect_results_cpu", "collect_results_gpu"]
@@ -195,11 +196,17 @@ def _collect_by_messages(
                     parts.append(reader.load())
                 except PeerFailedError:  # the sender reports its own error in the verdict
                     failed = True
+                except CommError:
+                    raise
                 except Exception as exc:
                     error, failed = exc, True
             # after a failure the remaining parts are still received: no sender is left
             # blocked, and no stale message is left in the channel for a later call
             reader.finish()
+        except CommError:
+            # a watched wait found that another rank left the call (a sender whose handshake
+            # failed, say): every rank leaves it, as that rank's failure notice says
+            raise
         except RuntimeError as exc:
             # the transport: this sender is gone (a killed process). The parts of the
             # others are still received, and the verdict still goes out, so the live
@@ -273,7 +280,9 @@ def _verdict(
             # communicator per pair
             torch_dist.broadcast(flag, root, group=group)
         elif get_rank(group) != 0:
-            torch_dist.recv(flag, root, group=group)
+            received = torch_dist.irecv(flag, root, group=group)
+            assert received is not None, "this rank is a member of the group"
+            wait_p2p(received, "collect_results", group, device)
         else:
             # on a CPU group rank 0 sends the verdict to each rank itself, not by a
             # broadcast: a broadcast may route it through another rank, and when that rank
@@ -289,7 +298,9 @@ def _verdict(
             for work in works:
                 try:
                     if work is not None:
-                        work.wait()
+                        wait_p2p(work, "collect_results", group, device)
+                except CommError:  # a rank left the call: every rank leaves it
+                    raise
                 except RuntimeError as exc:  # a dead rank: the others still hear the verdict
                     lost = lost or exc
             if lost is not None and not failed:  # the others finished: only rank 0 raises
