@@ -50,10 +50,10 @@ def _timed_stage() -> dict[str, float]:
     spent = {"stage": 0.0}
     stage = _async.stage
 
-    def timed(state: Any, slot: str) -> dict[str, Any]:
+    def timed(state: Any) -> dict[str, Any]:
         start = time.perf_counter()
         try:
-            return stage(state, slot)
+            return stage(state)
         finally:
             spent["stage"] += time.perf_counter() - start
 

@@ -26,13 +26,13 @@ sys.path.insert(0, str(ROOT))
 import comm_core  # noqa: E402
 from comm_strategies.checkpoint import (  # noqa: E402
     SaveHandle,
-    _save,
     find_latest,
     load_checkpoint,
     save_checkpoint,
 )
 from tests.helpers import full_params  # noqa: E402
 from tests.strategies.ckpt_models import build, strategy_of, torch_optimizer  # noqa: E402
+from tests.strategies.ckpt_seams import patch_step  # noqa: E402
 from tests.wrappers.net import batch  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def main() -> None:
             _die()
         if done % 2 == 0:
             if when == "save" and int(at) == done:
-                _save._stage_hook = lambda stage: _die() if stage == "written" else None
+                patch_step("written", _die)
             handle = save_checkpoint(
                 Path(args.work_dir) / f"step_{done}",
                 model=model,

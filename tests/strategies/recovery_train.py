@@ -86,14 +86,14 @@ def _arm(kill: str, out: Path, rank: int, victim: int | None) -> tuple[str, int]
 
         _publish.finish = finish  # type: ignore[assignment]
     elif where == "async":
-        write = _async._Writer._write
+        write = _async.write_side_files
 
-        def writing(self: Any, group: Any) -> Any:
-            if self.handle.path.name == f"step_{step}":
+        def writing(attempts: Any, files: Any) -> Any:
+            if attempts.folder.name.startswith(f".step_{step}.tmp-"):
                 _die(out, where)
-            return write(self, group)
+            return write(attempts, files)
 
-        _async._Writer._write = writing  # type: ignore[method-assign]
+        _async.write_side_files = writing
     elif where == "retention":
         hide = _publish._delete_later
 

@@ -1,8 +1,8 @@
 """Async save and retention on 2 real gloo ranks, and auto-resume under a strategy.
 
 The rank bodies stand above the tests that assert on their results. An async save is held
-at its start by the save's test hook (``_save._stage_hook`` with stage ``"writing"``, in
-the background thread) until the training thread has changed the model, so a checkpoint
+in its background thread (`ckpt_seams`, step ``"writing"``) until the training thread has
+changed the model, so a checkpoint
 that equals the state at the call proves the copy was taken at the call. Expected values
 come from the model itself (``full_params``) and from training the same steps, never from
 the code under test.
@@ -25,7 +25,7 @@ from comm_strategies.checkpoint import (
     CheckpointError,
     SaveHandle,
     _publish,
-    _save,
+    _side_files,
     find_latest,
     load_checkpoint,
     read_manifest,
@@ -33,17 +33,26 @@ from comm_strategies.checkpoint import (
 )
 from tests.helpers import full_params, max_diff
 from tests.strategies.ckpt_models import build, strategy_of, train_step, train_steps
+from tests.strategies.ckpt_seams import patch_step
 
 HOLD_S = 30.0  # the longest a held background save waits for the test to release it
 
 
+_undo: list[Any] = []
+
+
 def _hold_until(released: threading.Event) -> None:
-    def hook(stage: str) -> None:
-        if stage == "writing" and not released.wait(HOLD_S):
+    def hold() -> None:
+        if not released.wait(HOLD_S):
             message = "the test never released the async save"
             raise RuntimeError(message)
 
-    _save._stage_hook = hook
+    _undo.append(patch_step("writing", hold))
+
+
+def _unhook() -> None:
+    while _undo:
+        _undo.pop()()
 
 
 # ------------------------------------------------- the copy, the handle, the load
@@ -67,7 +76,7 @@ def async_save_is_the_state_at_the_call(root: str, kind: str) -> dict[str, Any]:
         released.set()
         path = handle.wait(timeout=60)
     finally:
-        _save._stage_hook = None
+        _unhook()
     fresh, fresh_optim = build(kind, seed=1)
     extra = load_checkpoint(path, model=fresh, optim_wrapper=fresh_optim)
     loaded = full_params(fresh)
@@ -117,7 +126,7 @@ def second_save_waits_for_the_first(root: str) -> dict[str, Any]:
         first = save_checkpoint(
             f"{root}/first", model=model, optim_wrapper=optim, strategy="ddp", async_save=True
         )
-        _save._stage_hook = None  # the second save is not held
+        _unhook()  # the second save is not held
         timer = threading.Timer(1.0, released.set)
         timer.start()
         started = time.monotonic()
@@ -126,7 +135,7 @@ def second_save_waits_for_the_first(root: str) -> dict[str, Any]:
         first_done_when_second_returned = first.done()
         timer.join()
     finally:
-        _save._stage_hook = None
+        _unhook()
     return {
         "waited": waited,
         "first_done": first_done_when_second_returned,
@@ -166,12 +175,13 @@ def async_failure_on_one_rank(root: str, where: str) -> dict[str, Any]:
         schedulers.append(_BrokenScheduler())
     if where == "rank 1" and me == 1:
 
-        def fail(stage: str) -> None:
-            if stage == "written":
-                message = "disk full (injected on rank 1)"
-                raise OSError(message)
+        def fail(value: Any, path: Path) -> None:
+            message = "disk full (injected on rank 1)"
+            raise OSError(message)
 
-        _save._stage_hook = fail
+        monkeypatched = _side_files.save_tensor_file
+        _side_files.save_tensor_file = fail  # type: ignore[assignment]
+        _undo.append(lambda: setattr(_side_files, "save_tensor_file", monkeypatched))
     if where == "rank 0":
         extra["callback"] = lambda: None
     try:
@@ -192,7 +202,7 @@ def async_failure_on_one_rank(root: str, where: str) -> dict[str, Any]:
         except CheckpointError as error:
             again = str(error)
     finally:
-        _save._stage_hook = None
+        _unhook()
     after = save_checkpoint(f"{root}/after", model=model, strategy="ddp", async_save=True)
     return {"message": message, "again": again, "after": str(after.wait(timeout=60))}
 
@@ -244,7 +254,7 @@ def save_with_keep_last(root: str) -> list[str]:
             if isinstance(saved, SaveHandle):
                 saved.wait(timeout=60)
         finally:
-            _save._stage_hook = None
+            _unhook()
     _publish._wait_for_deletions()  # rank 0 deletes the removed folders in the background
     return seen_while_held
 
@@ -356,7 +366,7 @@ def test_wait_with_a_timeout_and_an_unobserved_failure(tmp_path: Path) -> None:
         released.set()
         assert handle.wait(timeout=60) == tmp_path / "held"
     finally:
-        _save._stage_hook = None
+        _unhook()
     # A failed async save whose wait() nobody called: the next save warns, then saves.
     failed = save_checkpoint(
         tmp_path / "bad", model=model, strategy="single", extra={"f": lambda: None},

@@ -1,13 +1,11 @@
 """How a sharded (DCP) save shares its outcome, on 2 real gloo ranks.
 
-A save of the ``dcp`` format writes the small files (RNG states, schedulers, user state)
-first, and shares their outcome before any data moves (with ``timeout=``, in the exchange
-that precedes the data; without it, in DCP's plan step: test_checkpoint_exchanges.py), so
-a failure there raises on every rank before DCP writes; DCP's own collectives then raise a failure to write a shard on every
-rank; rank 0 publishes (manifest, rename) inside DCP's last step when the call has no
-``timeout=``, or before a vote bounded by it when it has one. Every failure must raise on
-every rank, naming the rank, and leave neither the checkpoint nor its temporary folder;
-the world must stay in step for the next save.
+Every save follows one commit protocol, with or without ``timeout=``: the entry, every
+rank's write (DCP's own collectives raise a failure to write a shard on every rank) and
+small files, then the commit: the ranks' outcomes shared, rank 0 publishing (manifest,
+rename) when none failed, and its outcome shared. Every failure must raise on every rank,
+naming the rank, and leave neither the checkpoint nor its temporary folder; the world
+must stay in step for the next save.
 """
 
 from __future__ import annotations
@@ -35,17 +33,17 @@ def _listed(root: str) -> list[str]:
 
 def publish_fails_on_rank_0(root: str, timeout: float | None) -> dict[str, Any]:
     """Rank 0 cannot publish (its manifest write fails) after every rank wrote its shards."""
-    from comm_strategies.checkpoint import _save
+    from comm_strategies.checkpoint import _manifest
 
     model, optim = build("fsdp2")
     train_steps(model, optim, range(1))
-    publish = _save._publish_folder
+    publish = _manifest.write_json
     if dist.get_rank() == 0:
 
         def broken(*args: Any, **kwargs: Any) -> None:
             raise OSError("disk full")
 
-        _save._publish_folder = broken
+        _manifest.write_json = broken
     try:
         out: dict[str, Any] = {
             "error": caught(
@@ -58,7 +56,7 @@ def publish_fails_on_rank_0(root: str, timeout: float | None) -> dict[str, Any]:
             )
         }
     finally:
-        _save._publish_folder = publish
+        _manifest.write_json = publish
     out["left"] = _listed(root)
     good = save_checkpoint(f"{root}/good", model=model, optim_wrapper=optim, strategy="fsdp2")
     load_checkpoint(good, model=model, optim_wrapper=optim)
@@ -66,7 +64,7 @@ def publish_fails_on_rank_0(root: str, timeout: float | None) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("timeout", [None, 30.0], ids=["in-dcp", "voted"])
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["default", "timeout"])
 def test_a_failed_publish_raises_on_every_rank_and_leaves_nothing(
     comm_pools: Any, tmp_path: Path, timeout: float | None
 ) -> None:
@@ -74,11 +72,11 @@ def test_a_failed_publish_raises_on_every_rank_and_leaves_nothing(
         publish_fails_on_rank_0, str(tmp_path), timeout, timeout=120
     )
     name, message = first["error"]
-    assert name == "PublishError", message
-    assert message.startswith(f"cannot finish {tmp_path / 'ck'}: disk full"), message
+    assert name == "CheckpointError", message
+    assert message.startswith(f"cannot publish {tmp_path / 'ck'}: OSError: disk full"), message
     name, message = second["error"]
     assert name == "CheckpointError", message
-    assert "failed on 1 rank(s): rank 0: PublishError: cannot finish" in message, message
+    assert "failed on 1 rank(s): rank 0: CheckpointError: cannot publish" in message, message
     assert "disk full" in message, message
     for result in (first, second):
         assert result["left"] == [], result["left"]  # no checkpoint, no temporary folder
@@ -88,7 +86,7 @@ def test_a_failed_publish_raises_on_every_rank_and_leaves_nothing(
 
 
 def small_file_fails_on_rank_1(root: str) -> dict[str, Any]:
-    """Rank 1 cannot write its RNG state: every rank raises before DCP moves any data."""
+    """Rank 1 cannot take its RNG state: every rank raises at the commit; nothing is left."""
     from comm_strategies.checkpoint import _rng
 
     model, optim = build("fsdp2")
@@ -120,7 +118,7 @@ def small_file_fails_on_rank_1(root: str) -> dict[str, Any]:
     return out
 
 
-def test_a_small_file_failing_on_one_rank_raises_on_every_rank_before_the_data_moves(
+def test_a_small_file_failing_on_one_rank_raises_on_every_rank(
     comm_pools: Any, tmp_path: Path
 ) -> None:
     for result in comm_pools.get(2).run(small_file_fails_on_rank_1, str(tmp_path), timeout=120):
@@ -174,17 +172,14 @@ def test_a_shard_that_cannot_be_written_fails_every_rank_and_leaves_nothing(
 
 
 def stages_of_a_dcp_save(root: str) -> dict[str, Any]:
-    """The test hook's stages, in order; the manifest only once every rank wrote."""
-    from comm_strategies.checkpoint import _save
+    """The steps a save reached, in order; the manifest only once every rank wrote."""
+    from tests.strategies.ckpt_seams import recording
 
     model, optim = build("fsdp2")
     train_steps(model, optim, range(1))
     stages: list[str] = []
-    _save._stage_hook = stages.append
-    try:
+    with recording(stages):
         path = save_checkpoint(f"{root}/ck", model=model, optim_wrapper=optim, strategy="fsdp2")
-    finally:
-        _save._stage_hook = None
     fresh, fresh_optim = build("fsdp2")
     load_checkpoint(path, model=fresh, optim_wrapper=fresh_optim)
     same = {k: v.tolist() for k, v in full_params(fresh).items()} == {

@@ -26,6 +26,7 @@ __all__ = ["check_timeout", "default_store", "post_and_wait", "rendezvous"]
 
 _SOON_S = 0.05  # how long the keys are checked before the store's own wait
 _POLL_S = 0.0002
+_POLL_LONGEST_S = 0.05  # the longest interval between two checks of a polling wait
 _LONGEST_S = 1e9  # a longer wait overflows the store's milliseconds: about 31 years is enough
 _ENCODING = "utf-8"
 
@@ -36,14 +37,22 @@ def default_store() -> Store:
 
 
 def post_and_wait(
-    store: Store, keys: Sequence[str], mine: int, value: bytes, timeout: float
+    store: Store,
+    keys: Sequence[str],
+    mine: int,
+    value: bytes,
+    timeout: float,
+    *,
+    poll: bool = False,
 ) -> list[int]:
     """Post ``value`` under ``keys[mine]``, wait up to ``timeout`` seconds for the others.
 
     The ranks usually arrive together and a store's own wait can be coarse (torch's
     FileStore rounds its deadline up to the next whole second), so the keys are first
     checked every 0.2 ms for a few milliseconds; the store's bounded wait follows only when
-    a rank is late.
+    a rank is late. With ``poll`` the keys are checked instead, at growing intervals up to
+    50 ms: the store's wait holds the process's store client for as long as it lasts, which
+    another thread of the process (one running collectives) must not be kept from.
 
     Returns:
         The indices of the keys still missing at the deadline; empty when all arrived.
@@ -60,12 +69,25 @@ def post_and_wait(
         time.sleep(_POLL_S)
     else:
         return []
+    if poll:
+        return _poll(store, keys, start + timeout)
     # at least 10 ms: a wait of 0 ms is the store's own default timeout, not "no wait"
     remaining = min(_LONGEST_S, max(0.01, start + timeout - time.monotonic()))
     try:
         store.wait(list(keys), timedelta(seconds=remaining))
     except Exception:  # the store's timeout: a RuntimeError or DistStoreError, say which keys
         return [index for index, key in enumerate(keys) if not store.check([key])]
+    return []
+
+
+def _poll(store: Store, keys: Sequence[str], deadline: float) -> list[int]:
+    """Check ``keys`` until all are there or ``deadline``; return the indices missing."""
+    delay = 0.001
+    while not store.check(list(keys)):
+        if time.monotonic() > deadline:
+            return [index for index, key in enumerate(keys) if not store.check([key])]
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_LONGEST_S)
     return []
 
 
@@ -76,6 +98,7 @@ def rendezvous(
     timeout: float,
     group: torch_dist.ProcessGroup | None = None,
     withdraw_on_timeout: bool = False,
+    poll: bool = False,
 ) -> list[str]:
     """Exchange one small string between the ranks of ``group``, within ``timeout`` seconds.
 
@@ -96,6 +119,10 @@ def rendezvous(
         withdraw_on_timeout: Delete this rank's key before raising the timeout, and start
             a later call with the same key afresh, so a call made by one rank alone leaves
             nothing behind that a later call could take for its partner.
+        poll: Wait by checking the store at growing intervals (1 ms to 50 ms) instead of
+            the store's own blocking wait, which holds the process's store client while it
+            lasts: for a thread beside the one that runs collectives (a background save),
+            whose wait must not hold up the other thread's store requests.
 
     Returns:
         Every rank's value, index = rank in ``group``; ``[value]`` without a process group
@@ -128,7 +155,8 @@ def rendezvous(
     base = key if generation == "0" else f"{key}/{generation}"
     keys = [f"{base}/{rank}" for rank in range(world)]
     # surrogateescape: a path read from the filesystem may hold bytes that are not UTF-8
-    missing = post_and_wait(store, keys, me, value.encode(_ENCODING, "surrogateescape"), timeout)
+    encoded = value.encode(_ENCODING, "surrogateescape")
+    missing = post_and_wait(store, keys, me, encoded, timeout, poll=poll)
     # One outcome per exchange, set once (compare-and-set): "done" by the first rank that
     # saw every key, "withdrawn" by the first that gave up. A rank that arrives as another
     # gives up either finds "withdrawn" and raises, or completed the exchange first.

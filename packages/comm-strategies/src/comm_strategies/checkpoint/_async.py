@@ -1,70 +1,66 @@
 """Async save: the state copied to the CPU at the call, written by a background thread.
 
-``save_checkpoint(..., async_save=True)`` blocks only for what must happen while the
-model is still: the entry handshake, the collective gathers of the format (a full save of
-a sharded model gathers it to rank 0), the copy of every tensor to the CPU (`stage`: what
-torch distributed checkpoint's ``BlockingAsyncStager`` does; DTensors and ShardedTensors
-keep their layout; the memory of the previous async save's copy is reused when the shapes
-are the same) and the user state deep-copied. It then returns a `SaveHandle`; training
-goes on while a background thread writes the copy. A rank whose copy failed writes
-nothing (but takes part in the DCP writes) and fails the save through the vote below:
-its error is raised by ``wait()`` on every rank.
+``save_checkpoint(..., async_save=True)`` takes the same steps as a synchronous save
+(`_save`'s commit protocol), the write and the commit in a background thread:
 
-The background thread never runs a collective of the default process group: the training
-thread runs those meanwhile, and two threads issuing collectives on one group interleave
-differently on each rank (a hang, or tensors crossed between the calls). Instead:
+- on the calling thread, while the model is still: the entry, the format's collective
+  gathers (a full save of a sharded model gathers it to rank 0), the copy of every tensor
+  to the CPU (torch distributed checkpoint's public ``DefaultStager``: DTensors and
+  ShardedTensors keep their layout, and the memory of the previous copy is reused for the
+  same tensors) and the small files taken as copies; a `SaveHandle` is returned;
+- on the background thread, while training goes on: the files written (``dcp``: by torch
+  distributed checkpoint over a gloo group of its own, created once on the calling thread
+  of every rank, so that the thread never runs a collective of the default group beside
+  the training thread's), then the commit, whose store exchanges check the store instead
+  of holding its client in a blocking wait (``background=True``).
 
-- the files of the ``dcp`` format are written by torch distributed checkpoint over a
-  gloo group of its own (created once, on the calling thread of every rank, at the first
-  async DCP save, as torch recommends for its own ``async_save``); only one background
-  save runs at a time, so nothing else uses that group meanwhile;
-- the ranks' outcome is exchanged through the default group's key-value store (each rank
-  posts its error, or nothing, under a key of this save, and polls for the others'
-  keys with a deadline): no tensor moves, and the store serves the threads of a process
-  one short request at a time (the polling never holds it in a long blocking wait);
-- rank 0 then writes the manifest and renames the folder (`_publish.finish`), removes
-  old checkpoints when asked (`_publish.retain`), and posts the publish's outcome; the
-  other ranks wait for that key. So the manifest and the rename happen only when every
-  rank's files are whole, and every rank's handle ends with the same outcome.
-
-A second save, synchronous or not, first waits for the previous one (`wait_previous`),
-which also keeps the saves' keys and the DCP group to one save at a time. A process
-killed during an async save leaves its temporary folder (removed by the next save of
-that name) and the previous checkpoint whole. The interpreter waits for a pending save at
-exit (the thread is not a daemon); call ``wait()`` before destroying the process group.
+A rank whose copy failed writes nothing but takes part in the DCP writes; the commit fails
+the save on every rank, and ``wait()`` raises it. A second save, synchronous or not, first
+waits for the previous one (`wait_previous`), which also keeps the DCP group to one save
+at a time. A process killed during an async save leaves its temporary folder (removed by
+the next save) and the previous checkpoint whole. The interpreter waits for a pending
+save at exit (the thread is not a daemon); call ``wait()`` before destroying the process
+group.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
-import time
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as torch_dist
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.staging import (
+    BlockingAsyncStager,
+    DefaultStager,
+    StagingOptions,
+)
 
 import comm_collectives as dist
+from comm_wrappers.backends import Backend
 
-from ._consensus import where
+from ._consensus import WRITE_TIMEOUT_S, Call, where
 from ._errors import CheckpointError
 from ._files import save_tensor_file
-from ._format_common import Attempts, quiet_torch
+from ._format_common import Attempts, Optimizers, quiet_torch
+from ._format_dcp import sharded_state, write_dcp
 from ._layout import DCP_FOLDER, MODEL_FILE, OPTIM_FILE
+from ._params import describe_params
+from ._side_files import SideFile, take_side_files, write_side_files
 
-__all__ = ["Job", "SaveHandle", "stage", "start", "wait_previous"]
+if TYPE_CHECKING:
+    from ._save import _Publish
+
+__all__ = ["SaveHandle", "finished", "start", "wait_previous"]
 
 # The formats written in the background; "deepspeed" (the engine's own save_checkpoint,
 # collective inside) is written synchronously and its handle is returned done.
 ASYNC_FORMATS = ("full", "dcp")
-_POLL_FIRST_S = 0.001
-_POLL_MAX_S = 0.05
+Commit = Callable[..., None]  # `_save.commit`
 
 
 class SaveHandle:
@@ -167,70 +163,48 @@ def wait_previous() -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-# ---------------------------------------------------------------------- staging
-# The CPU copies of the last async save, by slot ("model", "optim", "dcp"), reused by the
-# next one whose tensors have the same layout: copying into memory already touched costs
-# half as much as into new memory (every new page faults in). Free to reuse once that
-# save ended, which every save waits for first (`wait_previous`).
-_copies: dict[str, tuple[Any, dict[str, Any]]] = {}
+_stager: DefaultStager | None = None
 
 
-def stage(state: Mapping[str, Any], slot: str) -> dict[str, Any]:
+def stage(state: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a (nested) state dict with every tensor on the CPU, not shared with it.
 
-    The tensors go into the memory of the previous copy of ``slot`` when their layout is
-    the same (torch's ``_copy_state_dict``), else into new memory (torch's
-    ``_create_cpu_state_dict``, pinned when CUDA is there), as torch distributed
-    checkpoint's ``BlockingAsyncStager`` does with and without its cache. Other values are
-    taken as they are (numbers, strings) or deep-copied.
+    torch's ``DefaultStager`` (blocking; pinned memory when CUDA is there), which reuses
+    the memory of the previous copy of the same tensors: free to reuse once that save
+    ended, which every save waits for first (`wait_previous`). It cannot copy FSDP1's
+    ShardedTensors: a state holding one goes through ``BlockingAsyncStager`` (new memory
+    each time).
     """
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
+    global _stager
     source = dict(state)
-    layout = _layout(source)
+    staged: Any
     with quiet_torch():
-        previous = _copies.get(slot)
-        if previous is None or previous[0] != layout:
-            _copies.pop(slot, None)  # its memory goes back before the new copy is made
-            previous = (layout, _create_cpu_state_dict(source, pin_memory=_pinned()))
-        copied = dict(_copy_state_dict(source, previous[1], type_check=False))
-    _copies[slot] = previous
-    return copied
+        if _holds_sharded_tensor(source):
+            staged = BlockingAsyncStager(cache_staged_state_dict=False).stage(source)
+        else:
+            if _stager is None:
+                options = StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+                _stager = DefaultStager(options)
+            staged = _stager.stage(source)
+    assert isinstance(staged, dict)  # blocking staging returns the copy itself
+    return staged
 
 
-def _pinned() -> bool:
-    return torch.cuda.is_available()
-
-
-def _layout(value: Any) -> Any:
-    """What must match for a copy to reuse another's memory: structure, shapes, dtypes."""
+def _holds_sharded_tensor(value: Any) -> bool:
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-    from torch.distributed.tensor import DTensor
 
-    if isinstance(value, DTensor):
-        local = value.to_local()
-        return ("dtensor", tuple(local.shape), local.dtype, str(value.placements))
     if isinstance(value, ShardedTensor):
-        shards = tuple((tuple(s.tensor.shape), s.tensor.dtype) for s in value.local_shards())
-        return ("sharded", shards)
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
+        return True
     if isinstance(value, Mapping):
-        return ("dict", tuple((key, _layout(item)) for key, item in value.items()))
+        return any(_holds_sharded_tensor(item) for item in value.values())
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_layout(item) for item in value))
-    return ("value", type(value).__name__)
-
-
-def snapshot(value: Any) -> Any:
-    """A deep copy of user state (schedulers, scaler, ``extra``) with tensors on the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, Mapping):
-        return type(value)({key: snapshot(item) for key, item in value.items()})  # type: ignore[call-arg]
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(snapshot(item) for item in value)
-    return copy.deepcopy(value)
+        return any(_holds_sharded_tensor(item) for item in value)
+    return False
 
 
 _side_group: tuple[Any, Any] | None = None
@@ -252,165 +226,89 @@ def dcp_group(timeout_s: float) -> Any:
     return _side_group[1]
 
 
-# ---------------------------------------------------------------------- the thread
-Write = tuple[str, Any, Path]  # what (for messages), the staged object, the file
-
-
-@dataclass
-class Job:
-    """One async save, as the calling thread hands it to the background thread.
-
-    Attributes:
-        final: The checkpoint folder.
-        temporary: The folder being written (created by rank 0 at entry).
-        fmt: ``"full"`` or ``"dcp"``.
-        staged: The model and optimizer copy: ``{"model": ..., "optim": {...}}`` (under
-            ``full`` only on rank 0, None elsewhere).
-        files: Small files this rank writes (RNG; on rank 0 schedulers, scaler, extra).
-        publish: Rank 0's last step: the manifest, the rename, the retention.
-        key: The store keys' prefix, the same on every rank and new for each save.
-        timeout_s: How long a rank waits for the others' writes.
-        hook: The test hook (called with ``"writing"`` when the thread starts, with
-            ``"written"`` before the vote).
-        error: This rank's failure while copying: no file of this rank is written, and
-            the vote fails the save on every rank (the DCP writes still take part).
-    """
-
-    final: Path
-    temporary: Path
-    fmt: str
-    staged: dict[str, Any] | None
-    files: list[Write]
-    publish: Callable[[], None]
-    key: str
-    timeout_s: float
-    hook: Callable[[str], None]
-    error: BaseException | None = None
-
-
-def start(job: Job) -> SaveHandle:
-    """Start the background writer of a staged save; return its handle."""
+def start(
+    call: Call,
+    publish: _Publish,
+    backend: Backend,
+    optimizers: Optimizers,
+    side: tuple[Any, Sequence[Any], Mapping[str, Any] | None],
+    commit: Commit,
+) -> SaveHandle:
+    """Copy the state to the CPU (collective where the format gathers) and start the
+    background thread that writes it and commits; return the save's handle."""
     global _pending
-    handle = SaveHandle(job.final)
-    group = dcp_group(job.timeout_s) if job.fmt == "dcp" else None
-    store = torch_dist.distributed_c10d._get_default_store() if dist.is_distributed() else None
-    writer = _Writer(handle, job)
+    attempts = Attempts(publish.temporary)
+    staged, publish.params = _stage_parts(publish.fmt, backend, optimizers, attempts)
+    files, publish.has_scaler = take_side_files(attempts, publish.temporary, *side, copied=True)
+    group = dcp_group(max(call.timeout, WRITE_TIMEOUT_S)) if publish.fmt == "dcp" else None
+    handle = SaveHandle(publish.final)
     thread = threading.Thread(
-        target=writer.run, args=(group, store), name="comm-checkpoint-save", daemon=False
+        target=_run,
+        args=(handle, call, publish, commit, attempts, [staged, files], group),
+        name="comm-checkpoint-save",
+        daemon=False,
     )
     _pending = handle
     thread.start()
     return handle
 
 
-class _Writer:
-    """What the background thread of one save does, in order (see the module docstring)."""
-
-    def __init__(self, handle: SaveHandle, job: Job) -> None:
-        self.handle = handle
-        self.job = job
-        self.temporary = job.temporary
-        self.key = job.key
-        self.timeout_s = job.timeout_s
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-
-    def run(self, group: Any, store: Any) -> None:
-        try:
-            error = self._write(group)
-            self.job.staged = None  # the copy's memory goes back before the others finish
-            self.handle._end(self._finish(store, error))
-        except CheckpointError as error:
-            self.handle._end(error)
-        except BaseException as caught:  # the handle must end, whatever happened
-            failed = CheckpointError(f"async save of {self.handle.path} on {where()}: {caught}")
-            failed.__cause__ = caught
-            self.handle._end(failed)
-
-    def _write(self, group: Any) -> BaseException | None:
-        job = self.job
-        attempts = Attempts(self.temporary)
-        attempts.error = job.error
-        attempts.run(job.hook, "writing", what="this rank's files")
-        if job.fmt == "dcp":  # collective on its own group: every rank takes part, always
-            collective = Attempts(self.temporary)
-            collective.run(self._write_dcp, group, what=DCP_FOLDER)
-            attempts.error = attempts.error or collective.error
-        elif job.staged is not None:  # "full", rank 0
-            model = job.staged["model"]
-            attempts.run(save_tensor_file, model, self.temporary / MODEL_FILE, what=MODEL_FILE)
-            if "optim" in job.staged:
-                optim = job.staged["optim"]
-                attempts.run(save_tensor_file, optim, self.temporary / OPTIM_FILE, what=OPTIM_FILE)
-        for what, value, path in job.files:
-            attempts.run(_save_in, value, path, what=what)
-        attempts.run(job.hook, "written", what="this rank's files")
-        return attempts.error
-
-    def _write_dcp(self, group: Any) -> None:
-        # a rank whose copy failed takes part with nothing to write (its failure is voted)
-        staged = self.job.staged if self.job.staged is not None else {}
-        with quiet_torch():
-            dcp_save(staged, checkpoint_id=str(self.temporary / DCP_FOLDER), process_group=group)
-
-    def _finish(self, store: Any, error: BaseException | None) -> BaseException | None:
-        """The vote through the store, rank 0's publish, the publish's outcome shared."""
-        from . import _publish
-
-        texts = [_label(error)] if store is None else self._exchange(store, _label(error))
-        failures = [(rank, text) for rank, text in enumerate(texts) if text]
-        if failures:
-            if self.rank == 0:
-                _publish.abandon(self.temporary)
-            if error is not None and len(failures) == 1:
-                return error
-            details = "; ".join(f"rank {rank}: {text}" for rank, text in failures)
-            return CheckpointError(
-                f"async save_checkpoint of {self.handle.path} failed on {len(failures)} "
-                f"rank(s): {details}"
-            )
-        outcome = ""
-        if self.rank == 0:
-            try:
-                self.job.publish()
-            except Exception as caught:
-                outcome = f"cannot finish {self.handle.path}: {type(caught).__name__}: {caught}"
-            if store is not None:
-                store.set(f"{self.key}/published", outcome.encode())
-        else:
-            outcome = self._await(store, [f"{self.key}/published"])[0]
-        if outcome:
-            return CheckpointError(f"async save_checkpoint: rank 0 {outcome}")
-        return None
-
-    def _exchange(self, store: Any, mine: str) -> list[str]:
-        """Post this rank's outcome; every rank's once all posted (index = rank)."""
-        keys = [f"{self.key}/written/{rank}" for rank in range(self.world)]
-        store.set(keys[self.rank], mine.encode("utf-8", "surrogateescape"))
-        return self._await(store, keys)
-
-    def _await(self, store: Any, keys: list[str]) -> list[str]:
-        """Poll for ``keys`` (short checks: the store stays free for the training thread)."""
-        started = time.monotonic()
-        delay = _POLL_FIRST_S
-        while not store.check(keys):
-            if time.monotonic() - started > self.timeout_s:
-                missing = [key for key in keys if not store.check([key])]
-                message = (
-                    f"async save_checkpoint of {self.handle.path}: {where()} waited "
-                    f"{self.timeout_s:g} s for {missing} (the other ranks' outcome); a rank "
-                    "died or is stuck: check the logs of the other ranks"
-                )
-                raise CheckpointError(message)
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
-        return [bytes(store.get(key)).decode("utf-8", "surrogateescape") for key in keys]
+def _stage_parts(
+    fmt: str, backend: Backend, optimizers: Optimizers, attempts: Attempts
+) -> tuple[dict[str, Any] | None, dict[str, list[Any]]]:
+    """The CPU copy of the model and optimizer (``dcp``: every rank's shards; ``full``:
+    gathered to rank 0, None elsewhere) and the model's shapes."""
+    if fmt == "dcp":
+        state = sharded_state(backend, optimizers)
+        with quiet_torch():  # the global shapes of the shards
+            params = describe_params(state["model"])
+        return attempts.run(stage, state, what="a CPU copy of the state"), params
+    leader = dist.get_rank() == 0
+    state = {"model": backend.model_state(full=True, rank0_only=True)}
+    if optimizers:
+        state["optim"] = {
+            key: backend.optim_state(optimizer, full=True, rank0_only=True)
+            for key, optimizer in optimizers.items()
+        }
+    if not leader:
+        return None, {}
+    return attempts.run(stage, state, what="a CPU copy of the state"), describe_params(
+        state["model"]
+    )
 
 
-def _save_in(value: Any, path: Path) -> None:
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    save_tensor_file(value, path)
-
-
-def _label(error: BaseException | None) -> str:
-    return "" if error is None else f"{type(error).__name__}: {error}"
+def _run(
+    handle: SaveHandle,
+    call: Call,
+    publish: _Publish,
+    commit: Commit,
+    attempts: Attempts,
+    parts: list[Any],
+    group: Any,
+) -> None:
+    """The background thread: write this rank's files, then the commit; end the handle.
+    ``parts``: the staged copy and the small files, emptied as they are taken (the copy's
+    memory goes back once written)."""
+    staged: dict[str, Any] | None = parts[0]
+    files: list[SideFile] = parts[1]
+    parts.clear()
+    try:
+        folder = publish.temporary
+        if publish.fmt == "dcp":  # collective on its own group: every rank takes part
+            shards = staged if staged is not None else {}
+            attempts.run(write_dcp, shards, folder, group, what=DCP_FOLDER, collective=True)
+        elif staged is not None:  # "full", rank 0
+            attempts.run(save_tensor_file, staged["model"], folder / MODEL_FILE, what=MODEL_FILE)
+            if "optim" in staged:
+                optim = staged["optim"]
+                attempts.run(save_tensor_file, optim, folder / OPTIM_FILE, what=OPTIM_FILE)
+        write_side_files(attempts, files)
+        del staged, files  # the copy's memory goes back before the commit's wait
+        commit(call, attempts.error, publish, background=True)
+        handle._end(None)
+    except CheckpointError as error:
+        handle._end(error)
+    except BaseException as caught:  # the handle must end, whatever happened
+        failed = CheckpointError(f"async save of {handle.path} on {where()}: {caught}")
+        failed.__cause__ = caught
+        handle._end(failed)

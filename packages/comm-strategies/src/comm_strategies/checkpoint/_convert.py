@@ -11,7 +11,6 @@ files are read by ``_deepspeed_offline`` with ``weights_only=True``.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,9 @@ from ._convert_progress import save_with_progress as save_with_progress
 from ._convert_source import Source as Source
 from ._convert_source import full_model_state_of as full_model_state_of
 from ._convert_source import read_source as read_source
-from ._files import write_json
 from ._format_common import quiet_torch
 from ._layout import (
     DCP_FOLDER,
-    DEFAULT_KEY,
     EXTRA_FILE,
     MODEL_FILE,
     OPTIM_FILE,
@@ -37,9 +34,8 @@ from ._layout import (
     SCALER_FILE,
     SCHEDULERS_FILE,
 )
-from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from ._manifest import write_manifest
 from ._params import describe_params
-from ._save import _versions
 
 TARGETS = ("plain", "full", "sharded", "deepspeed")
 # What a converted folder copies from a comm source folder as it is.
@@ -143,24 +139,15 @@ def _write_folder(read: Source, dst: Path, *, sharded: bool, progress: bool) -> 
                     read.optim, temporary / OPTIM_FILE, progress=progress, label=OPTIM_FILE
                 )
         side = _copy_side_files(read, temporary)
-        optimizer_keys = sorted(read.optim)
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
+        write_manifest(
+            temporary,
             strategy=read.strategy,
-            wrapper="module",
             world_size=read.world_size,
             format="dcp" if sharded else "full",
-            zero_stage=None,
-            sharding=None,
             params=describe_params(read.model),
-            has_optimizer=bool(read.optim),
-            optimizer_keys=[] if optimizer_keys in ([], [DEFAULT_KEY]) else optimizer_keys,
-            versions=_versions(),
-            saved_at=time.time(),
-            files=_publish.list_files(temporary),
+            optimizer_keys=list(read.optim),
             **side,
         )
-        write_json(manifest.to_json(), temporary / MANIFEST_NAME)
         _publish.finish(temporary, dst)
     except BaseException:
         _publish.abandon(temporary)

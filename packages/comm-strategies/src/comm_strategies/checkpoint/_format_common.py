@@ -39,23 +39,28 @@ def quiet_torch() -> Iterator[None]:
 
 
 class Attempts:
-    """Runs one rank's local writes; keeps the first failure instead of raising, so that
-    the rank still takes part in the collective steps after it (the vote reports it)."""
+    """Runs one rank's part of a save; keeps the first failure instead of raising, so that
+    the rank still takes part in the collective steps after it (the commit reports it)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.error: BaseException | None = None
 
-    def run(self, function: Callable[..., Any], *args: Any, what: str = "") -> Any:
-        if self.error is not None:
+    def run(
+        self, function: Callable[..., Any], *args: Any, what: str = "", collective: bool = False
+    ) -> Any:
+        """``function(*args)``, or None when it failed or an earlier part did; a
+        ``collective`` part runs even then (every rank must take part)."""
+        if self.error is not None and not collective:
             return None
         try:
             return function(*args)
         except Exception as caught:
-            target = what or getattr(function, "__name__", "a part")
-            message = f"writing {target} into {self.folder} failed on {where()}: {caught}"
-            self.error = CheckpointError(message)
-            self.error.__cause__ = caught
+            if self.error is None:
+                target = what or getattr(function, "__name__", "a part")
+                message = f"writing {target} into {self.folder} failed on {where()}: {caught}"
+                self.error = CheckpointError(message)
+                self.error.__cause__ = caught
             return None
 
 

@@ -5,18 +5,15 @@ such a folder into full tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 from torch.optim import Optimizer
 
 import comm_collectives as dist
@@ -53,53 +50,14 @@ class DcpFormat:
     name: ClassVar[str] = "dcp"
 
     def write(
-        self,
-        backend: Backend,
-        optimizers: Optimizers,
-        folder: Path,
-        attempts: Attempts,
-        *,
-        written: Callable[[], None] | None = None,
-        publish: Callable[[dict[str, list[Any]]], None] | None = None,
-        failed: BaseException | None = None,
+        self, backend: Backend, optimizers: Optimizers, folder: Path, attempts: Attempts
     ) -> dict[str, list[Any]]:
-        """Write every rank's shards (collective); return the model's shapes.
-
-        ``written`` runs on every rank once its shards are written; ``publish`` (given on
-        rank 0 only) runs with the shapes inside DCP's last step, once every rank's shards
-        and DCP's metadata are written: DCP then hands its outcome to every rank, and a
-        failure of ``publish`` raises on every rank, as a failure to write does.
-        ``failed``: this rank's failure before the write (its small files); it fails
-        DCP's first step (the plan, before any shard is written), whose outcome DCP hands
-        every rank, so that every rank raises `EarlyFailures` naming each failed rank.
-
-        Raises:
-            EarlyFailures: On every rank, when a rank passed ``failed``.
-            CheckpointError: On every rank, when any rank failed to write or ``publish``
-                failed.
-        """
+        """Write every rank's shards (collective); return the model's shapes. A failure
+        (on every rank: DCP gathers the ranks' outcomes) is kept in ``attempts``."""
         state = sharded_state(backend, optimizers)
         with quiet_torch():  # the shapes of the state written (global shapes of shards)
             params = describe_params(state["model"])
-        finish = None if publish is None else lambda: publish(params)
-        refusal = None if failed is None else _FailedBefore(f"{type(failed).__name__}: {failed}")
-        writer = _Writer(folder / DCP_FOLDER, written=written, finish=finish, refusal=refusal)
-        try:
-            with quiet_torch():
-                dcp_save(state, storage_writer=writer)
-        # DCP gathers the ranks' failures and raises everywhere, a CheckpointException
-        # (a BaseException: ``except Exception`` misses it)
-        except (Exception, CheckpointException) as caught:
-            early = _early_failures(caught)
-            if early is not None:
-                raise early from (failed or caught)
-            unpublished = _unpublished(caught)
-            if unpublished is not None:  # rank 0's keeps its cause (the publish's error)
-                raise unpublished from (unpublished.__cause__ or caught)
-            message = (
-                f"torch distributed checkpoint could not write {folder / DCP_FOLDER}: {caught}"
-            )
-            raise CheckpointError(message) from caught
+        attempts.run(write_dcp, state, folder, what=DCP_FOLDER, collective=True)
         return params
 
     def read(
@@ -114,9 +72,9 @@ class DcpFormat:
             load_full(backend, state["model"], state.get("optim", {}), request, str(source))
             return
         state = sharded_state(backend, request.optimizers)
-        skipped = check_against(
-            _shapes_of(backend, state["model"]), manifest.params, str(source), request.strict
-        )
+        with quiet_torch():  # the global shapes of the model's shards
+            shapes = describe_params(state["model"])
+        skipped = check_against(shapes, manifest.params, str(source), request.strict)
         if skipped:
             state["model"] = {k: v for k, v in state["model"].items() if k not in skipped}
         folder = source / DCP_FOLDER
@@ -166,101 +124,22 @@ def _check_group_count(optimizers: Optimizers, saved: set[str], source: str) -> 
             raise CheckpointError(message)
 
 
-class EarlyFailures(CheckpointError):
-    """Ranks failed before the write (`DcpFormat.write`'s ``failed``), found in DCP's plan.
+def write_dcp(state: Mapping[str, Any], folder: Path, group: Any = None) -> None:
+    """``dcp.save`` of ``state`` into ``folder/dcp`` over ``group`` (the default group when
+    None); collective over that group.
 
-    Attributes:
-        outcomes: Each rank's failure (``"Type: message"``), ``""`` for a rank that did
-            not fail; index = rank.
+    Raises:
+        CheckpointError: On every rank, when any rank failed to write.
     """
-
-    def __init__(self, message: str, outcomes: list[str]) -> None:
-        super().__init__(message)
-        self.outcomes = outcomes
-
-
-class _FailedBefore(Exception):
-    """A rank's failure before the write, raised in DCP's plan step (DCP pickles it to the
-    coordinator and hands it every rank); its message is ``"Type: message"``."""
-
-
-def _early_failures(caught: BaseException) -> EarlyFailures | None:
-    """`EarlyFailures` when DCP failed because ranks raised `_FailedBefore`, else None."""
-    failures = caught.failures if isinstance(caught, CheckpointException) else {}
-    outcomes = [""] * dist.get_world_size()
-    for rank, (error, _) in failures.items():
-        if isinstance(error, _FailedBefore) and 0 <= rank < len(outcomes):
-            outcomes[rank] = str(error)
-    if not any(outcomes):
-        return None
-    named = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(outcomes) if text)
-    return EarlyFailures(f"ranks failed before the write: {named}", outcomes)
-
-
-class PublishError(CheckpointError):
-    """Rank 0 could not publish a checkpoint whose files every rank wrote (its manifest,
-    the rename); raised by the ``publish`` step of `DcpFormat.write`."""
-
-
-class _Writer(FileSystemWriter):
-    """torch's writer of a DCP folder (its defaults, as ``dcp.save(checkpoint_id=...)``
-    builds it), running the save's own steps inside DCP's collectives: ``refusal`` (this
-    rank's failure before the write) raised in the plan step, before anything is written;
-    ``written`` on each rank after its shards are written, ``finish`` on the coordinator
-    (rank 0) after DCP's metadata, when every rank's shards are written."""
-
-    def __init__(
-        self,
-        folder: Path,
-        *,
-        written: Callable[[], None] | None,
-        finish: Callable[[], None] | None,
-        refusal: Exception | None = None,
-    ) -> None:
-        super().__init__(str(folder))
-        self._written = written
-        self._finish = finish
-        self._refusal = refusal
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        if self._refusal is not None:
-            raise self._refusal
-        return super().prepare_local_plan(plan)
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        writes = super().write_data(plan, planner)
-        if self._written is not None:
-            writes.wait()  # the files are whole (torch's writer has written them already)
-            self._written()
-        return writes
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)
-        if self._finish is not None:
-            self._finish()
-
-
-def _unpublished(caught: BaseException) -> CheckpointError | None:
-    """The error to raise on this rank when DCP failed because rank 0's publish did: rank
-    0's own, or one naming it (as `Call.vote` names a failed rank)."""
-    failures = caught.failures if isinstance(caught, CheckpointException) else {}
-    for rank, (error, _) in failures.items():
-        if isinstance(error, PublishError):
-            if rank == dist.get_rank():
-                return error
-            text = f"{type(error).__name__}: {error}"
-            return CheckpointError(f"save_checkpoint failed on 1 rank(s): rank {rank}: {text}")
-    return None
-
-
-def _shapes_of(backend: Backend, sharded: Mapping[str, Any]) -> dict[str, list[Any]]:
-    """`Backend.param_shapes`, from the sharded model state already taken when the backend
-    describes its shapes as the base adapter does (the global shapes of that same state:
-    asking again would cost one more state dict)."""
-    if type(backend).param_shapes is Backend.param_shapes:
+    target = folder / DCP_FOLDER
+    try:
         with quiet_torch():
-            return describe_params(sharded)
-    return backend.param_shapes()
+            dcp_save(dict(state), storage_writer=FileSystemWriter(str(target)), process_group=group)
+    # DCP gathers the ranks' failures and raises everywhere, a CheckpointException
+    # (a BaseException: ``except Exception`` misses it)
+    except (Exception, CheckpointException) as caught:
+        message = f"torch distributed checkpoint could not write {target}: {caught}"
+        raise CheckpointError(message) from caught
 
 
 class _Reader(FileSystemReader):

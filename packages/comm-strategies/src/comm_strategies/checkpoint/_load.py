@@ -1,11 +1,10 @@
 """``load_checkpoint`` and ``find_latest``: any checkpoint of the contract into any model.
 
-The steps: every rank finds what is at the path (its manifest read) and enters with the
-same path and that outcome, or every rank raises (`Call.enter_sharing`: one store
-exchange; with ``timeout=``, `Call.enter` then `Call.together` after the manifest, so a
-rank late in reading is named at that step); the reader of the checkpoint's format
-(`_formats`) loads the model and optimizer through the model's backend adapter; then the
-scalers, schedulers, RNG and user state.
+The commit protocol's first steps (`_consensus`): every rank finds what is at the path
+(its manifest read) and enters with the same path and that outcome, or every rank raises
+(`Call.enter`, one store exchange); then the reader of the checkpoint's format
+(`_formats`) loads the model and optimizer through the model's backend adapter, and the
+scalers, schedulers, RNG and user state follow. A load publishes nothing: no commit.
 """
 
 from __future__ import annotations
@@ -68,9 +67,9 @@ def load_checkpoint(
         load_rng: Restore this rank's random generators (when the checkpoint has them).
         allow_unsafe_pickle: Allow files that need full unpickling (DeepSpeed's own files,
             old pickles); only for files you trust.
-        timeout: Seconds this rank waits for the others to enter and to reach the read;
-            default ``COMM_CHECKPOINT_TIMEOUT`` or 300. A read already under way is bounded
-            by the process group's own timeout.
+        timeout: Seconds this rank waits for the others to enter (each having read the
+            manifest); default ``COMM_CHECKPOINT_TIMEOUT`` or 300. A read already under way
+            is bounded by the process group's own timeout.
 
     Returns:
         The ``extra`` user state saved with the checkpoint (``{}`` if none).
@@ -86,19 +85,10 @@ def load_checkpoint(
     optimizers = named_optimizers(optim_wrapper) if load_optimizer else {}
     call = Call("load_checkpoint", timeout)
     source = Path(path).absolute()
-    if call.deadline is None:
-        # One exchange: what this rank finds at the path first, then the entry, which
-        # shares it (a rank that failed makes every rank raise, before the data moves).
-        found = _find(source, strict, optimizers, allow_unsafe_pickle, load_rng)
-        entries, outcomes = call.enter_sharing(str(source), found.error)
-        _same_paths(entries)
-        call.share(found.error, outcomes)
-    else:
-        # With timeout=: the entry, then a meeting bounded by what is left of it, which
-        # names a rank late in reading the manifest.
-        _same_paths(call.enter(str(source)))
-        found = _find(source, strict, optimizers, allow_unsafe_pickle, load_rng)
-        call.together("reading", found.error)
+    # What this rank finds at the path (its manifest, its RNG state) first; the entry
+    # shares it: a rank that failed makes every rank raise, before any data moves.
+    found = _find(source, strict, optimizers, allow_unsafe_pickle, load_rng)
+    call.enter(str(source), found.error)
     kind, manifest, request = found.kind, found.manifest, found.request
     if kind == "file":
         _load_plain_file(source, backend, request)
@@ -166,15 +156,6 @@ def _find(
     except Exception as caught:
         found.error = caught
     return found
-
-
-def _same_paths(entries: list[str]) -> None:
-    if len(set(entries)) > 1:
-        message = (
-            f"load_checkpoint: the ranks passed different paths ({sorted(set(entries))}); "
-            "every rank must pass the same checkpoint"
-        )
-        raise CheckpointError(message)
 
 
 def _saved_optimizers(

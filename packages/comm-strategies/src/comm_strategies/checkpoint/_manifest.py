@@ -5,11 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+import sys
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..__about__ import __version__
 from ._errors import CheckpointError
+from ._files import write_json
+from ._layout import DEFAULT_KEY
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -86,6 +91,82 @@ class Manifest:
             message = f"{source} lacks the fields {missing}: it is damaged or not a comm manifest"
             raise CheckpointError(message)
         return cls(**{name: data[name] for name in names})
+
+
+def write_manifest(
+    folder: Path,
+    *,
+    strategy: str,
+    world_size: int,
+    format: str,
+    params: dict[str, list[Any]],
+    optimizer_keys: Sequence[str],
+    num_schedulers: int,
+    has_scaler: bool,
+    rng_ranks: list[int],
+    extra_keys: list[str],
+    wrapper: str = "module",
+    zero_stage: int | None = None,
+    sharding: str | None = None,
+) -> Manifest:
+    """Write the manifest of the checkpoint in ``folder`` (its last file); return it.
+
+    The one place a manifest is made (a save's publish and the converter): the format
+    version, the versions of the libraries, the time, and the list of every file of
+    ``folder`` with its size are filled in here. ``optimizer_keys``: the saved optimizers'
+    keys (one unnamed optimizer is recorded as ``[]``).
+    """
+    keys = sorted(optimizer_keys)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        strategy=strategy,
+        wrapper=wrapper,
+        world_size=world_size,
+        format=format,
+        zero_stage=zero_stage,
+        sharding=sharding,
+        params=params,
+        has_optimizer=bool(keys),
+        optimizer_keys=[] if keys in ([], [DEFAULT_KEY]) else keys,
+        num_schedulers=num_schedulers,
+        has_scaler=has_scaler,
+        rng_ranks=rng_ranks,
+        extra_keys=extra_keys,
+        versions=_versions(),
+        saved_at=time.time(),
+        files=list_files(folder),
+    )
+    write_json(manifest.to_json(), folder / MANIFEST_NAME)
+    return manifest
+
+
+def _versions() -> dict[str, str]:
+    versions = {"torch": _torch_version(), "comm-strategies": __version__}
+    deepspeed = sys.modules.get("deepspeed")
+    if deepspeed is not None:
+        versions["deepspeed"] = str(getattr(deepspeed, "__version__", "?"))
+    return versions
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def list_files(folder: Path) -> dict[str, int]:
+    """Every file under ``folder`` (relative path, size), sorted; links are not followed."""
+    found: dict[str, int] = {}
+    pending = [(folder, "")]
+    while pending:
+        here, prefix = pending.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((Path(entry.path), f"{prefix}{entry.name}/"))
+                elif entry.is_file():
+                    found[prefix + entry.name] = entry.stat().st_size
+    return dict(sorted(found.items()))
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

@@ -48,21 +48,6 @@ def abandon(temporary: Path) -> None:
     shutil.rmtree(temporary, ignore_errors=True)
 
 
-def list_files(folder: Path) -> dict[str, int]:
-    """Every file under ``folder`` (relative path, size), sorted; links are not followed."""
-    found: dict[str, int] = {}
-    pending = [(folder, "")]
-    while pending:
-        here, prefix = pending.pop()
-        with os.scandir(here) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append((Path(entry.path), f"{prefix}{entry.name}/"))
-                elif entry.is_file():
-                    found[prefix + entry.name] = entry.stat().st_size
-    return dict(sorted(found.items()))
-
-
 def _replaceable(final: Path) -> str:
     """ "ok" when a save may put a checkpoint at ``final``, else what is in the way.
 
