@@ -86,14 +86,14 @@ def _arm(kill: str, out: Path, rank: int, victim: int | None) -> tuple[str, int]
 
         _publish.finish = finish  # type: ignore[assignment]
     elif where == "async":
-        write = _async.write_side_files
+        write = _async.save_tensor_file
 
-        def writing(attempts: Any, files: Any) -> Any:
-            if attempts.folder.name.startswith(f".step_{step}.tmp-"):
+        def writing(value: Any, file: Path) -> None:
+            if any(part.startswith(f".step_{step}.tmp-") for part in file.parts):
                 _die(out, where)
-            return write(attempts, files)
+            write(value, file)
 
-        _async.write_side_files = writing
+        _async.save_tensor_file = writing
     elif where == "retention":
         hide = _publish._delete_later
 

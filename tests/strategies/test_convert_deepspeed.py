@@ -246,6 +246,24 @@ def test_bf16_masters_come_out_fp32_exact_not_the_bf16_copy(saved: Path, kind: s
     assert max_diff(rounded, state.model) > 0.0
 
 
+def other_precision(root: str) -> dict[str, float]:
+    """A bf16 engine's folder loaded into an fp32 engine of the same stage and world size:
+    its optimizer files have the other names (``bf16_zero_pp_rank_*``), so the backend's
+    ``native_checkpoint().fits`` refuses it and the folder is read offline."""
+    model, optim = wrapped("zero2", seed=3)
+    load_checkpoint(f"{root}/zero2_bf16", model=model, optim_wrapper=optim)
+    held = engine_truth(model.model)
+    truth: dict[str, dict[str, torch.Tensor]] = torch.load(f"{root}/truth_zero2_bf16.pt")
+    return {key: max_diff(held[key], truth[key]) for key in truth}
+
+
+def test_a_folder_of_another_precision_loads_offline_into_an_engine(
+    comm_pools: Any, saved: Path
+) -> None:
+    for result in comm_pools.get(2).run(other_precision, str(saved), timeout=300):
+        assert result == {"params": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+
+
 # --------------------------------------------- to DeepSpeed's universal layout and back
 
 

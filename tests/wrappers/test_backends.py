@@ -113,6 +113,7 @@ def contract(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     out["kind"] = backend.kind
     out["is_backend"] = isinstance(backend, Backend) and backend.model is model
     out["engine"] = backend.engine
+    out["native"] = backend.native_checkpoint()  # no checkpoint files of its own
     out["describe"] = backend.describe()
     out["formats"] = [backend.format_for(s) for s in (None, True, False)]
     out["compute_device"] = str(backend.compute_device())
@@ -248,6 +249,7 @@ def test_every_backend_passes_the_contract(comm_run_distributed: Any, case: str)
         assert r["kind"] == expected_kind
         assert r["is_backend"]
         assert r["engine"] is None
+        assert r["native"] is None
         assert r["describe"] == {"wrapper": expected_kind, "sharding": sharding, "zero_stage": None}
         assert r["formats"] == (["dcp", "dcp", "full"] if sharded else ["full", "dcp", "full"])
         assert r["compute_device"] == r["rank_device"] == "cpu"
@@ -311,6 +313,7 @@ def test_a_plain_module_in_one_process() -> None:
     net = make_net()
     backend = backend_of(net)
     assert backend.kind == "module"
+    assert backend.native_checkpoint() is None
     assert str(backend.compute_device()) == "cpu"
     assert isinstance(backend.grad_scaler("cpu"), torch.amp.GradScaler)
     assert not isinstance(backend.grad_scaler("cpu"), ShardedGradScaler)

@@ -8,6 +8,8 @@ adapter leaves to it, and says so.
 from __future__ import annotations
 
 import copy
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,7 +53,66 @@ def _oracle_step(weights: dict[str, torch.Tensor]) -> tuple[nn.Module, torch.opt
     return net, optimizer
 
 
-def contract(stage: int, bf16: bool) -> dict[str, Any]:
+def _engine(stage: int, bf16: bool) -> tuple[Any, Any]:
+    """A fresh engine of the test net (and its optim wrapper)."""
+    model = make_net()
+    return initialize(
+        model,
+        _config(stage, bf16),
+        make_optimizer(model.parameters(), "adamw"),
+        inputs_to_half=[0] if bf16 else None,
+    )
+
+
+def native_files(backend: Any, stage: int, bf16: bool, root: str) -> dict[str, Any]:
+    """`native_checkpoint()`: DeepSpeed's own files saved, loaded into a fresh engine (read
+    by the ``torch_load`` given, the engine's own reader put back after), and which
+    folders `fits` takes: by stage, world size and the precision of the optimizer files."""
+    world = dist.get_world_size()
+    native = backend.native_checkpoint()
+    folder = Path(root) / "native"
+    native.save(folder, "tag")
+    saved = backend.model_state(full=True)
+    out: dict[str, Any] = {"latest": (folder / "latest").exists()}
+
+    fresh, _ = _engine(stage, bf16)
+    fresh_backend = backend_of(fresh)
+    read: list[str] = []
+
+    def recording_load(path: Any, map_location: Any = None) -> Any:
+        read.append(Path(path).name)
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    loaded = fresh_backend.native_checkpoint().load(
+        folder, "tag", strict=True, load_optimizer=True, torch_load=recording_load
+    )
+    out["loaded"] = loaded
+    out["read_by_torch_load"] = sorted(set(read))
+    out["reader_put_back"] = "load" not in vars(fresh_backend.engine.checkpoint_engine)
+    out["round_trip"] = max_diff(fresh_backend.model_state(full=True), saved)
+    # no tag and no 'latest' file: DeepSpeed loads nothing and says so
+    out["nothing"] = fresh_backend.native_checkpoint().load(
+        folder / "empty", None, strict=True, load_optimizer=False, torch_load=None
+    )
+
+    tag_dir = folder / "tag"
+    with tempfile.TemporaryDirectory() as scratch:
+        other = Path(scratch)  # optimizer files of the other precision (names only)
+        name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        (other / (name if bf16 else "bf16_" + name)).touch()
+        out["fits"] = {
+            "saved": native.fits(stage, world, tag_dir),
+            "other_stage": native.fits((stage + 1) % 4, world, tag_dir),
+            "other_world": native.fits(stage, world + 1, tag_dir),
+            "unknown": native.fits(None, None, tag_dir),
+            "no_optimizer_files": native.fits(stage, world, Path(scratch) / "missing"),
+            "other_precision": native.fits(stage, world, other),
+        }
+    out["optim_files"] = sorted(p.name for p in tag_dir.glob("*optim_states.pt"))
+    return out
+
+
+def contract(stage: int, bf16: bool, root: str) -> dict[str, Any]:
     """Every check of the backend contract on one engine; the measured values."""
     rank = dist.get_rank()
     plain = make_net()
@@ -115,6 +176,7 @@ def contract(stage: int, bf16: bool) -> dict[str, Any]:
         out["rank0_optim"] = sorted(rank0_optim["state"]) if rank == 0 else rank0_optim
     else:
         out["optim_state"] = caught(backend.optim_state, optim.optimizer, full=True)
+    out["native"] = native_files(backend, stage, bf16, root)
     return out
 
 
@@ -122,10 +184,11 @@ def contract(stage: int, bf16: bool) -> dict[str, Any]:
     ("stage", "bf16"), [(0, False), (1, False), (2, False), (3, False), (0, True), (2, True)]
 )
 def test_every_zero_stage_passes_the_backend_contract(
-    comm_run_distributed: Any, stage: int, bf16: bool
+    comm_run_distributed: Any, tmp_path: Path, stage: int, bf16: bool
 ) -> None:
     names = ["head.bias", "head.weight", "lin1.bias", "lin1.weight", "lin2.bias", "lin2.weight"]
-    for rank, r in enumerate(comm_run_distributed(contract, stage, bf16, timeout=180)):
+    runs = comm_run_distributed(contract, stage, bf16, str(tmp_path), timeout=180)
+    for rank, r in enumerate(runs):
         assert r["kind"] == r["engine_itself"] == "deepspeed"
         assert r["engine_found"]
         assert r["describe"] == {"wrapper": "deepspeed", "sharding": None, "zero_stage": stage}
@@ -151,3 +214,22 @@ def test_every_zero_stage_passes_the_backend_contract(
             assert "ZeRO stage 0 in bf16 or fp16" in r["not_portable"]
             assert "has no per-parameter full form" in r["not_portable"]
             assert r["optim_state"] == ("ValueError", r["not_portable"])
+        native = r["native"]
+        assert not native["latest"]  # saved without a 'latest' file
+        assert native["loaded"] is True
+        assert any(n.endswith("model_states.pt") for n in native["read_by_torch_load"])
+        assert native["reader_put_back"]
+        assert native["round_trip"] == 0.0
+        assert native["nothing"] is False
+        assert native["fits"] == {
+            "saved": True,
+            "other_stage": False,
+            "other_world": False,
+            "unknown": False,
+            "no_optimizer_files": True,
+            "other_precision": False,
+        }
+        if stage > 0:  # ZeRO 1-3 partition the optimizer: one file per rank, named by precision
+            prefix = "bf16_zero_pp_rank_" if bf16 else "zero_pp_rank_"
+            assert len(native["optim_files"]) == 2
+            assert all(name.startswith(prefix) for name in native["optim_files"])

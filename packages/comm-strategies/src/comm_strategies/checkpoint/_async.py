@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,26 +41,25 @@ from torch.distributed.checkpoint.staging import (
 )
 
 import comm_collectives as dist
-from comm_wrappers.backends import Backend
+from comm_wrappers.backends import Backend, describe_params, quiet_torch
 
-from ._consensus import WRITE_TIMEOUT_S, Call, where
+from ._consensus import WRITE_TIMEOUT_S, Attempts, Call, where
 from ._errors import CheckpointError
 from ._files import save_tensor_file
-from ._format_common import Attempts, Optimizers, quiet_torch
+from ._format_common import Optimizers
 from ._format_dcp import sharded_state, write_dcp
 from ._layout import DCP_FOLDER, MODEL_FILE, OPTIM_FILE
-from ._params import describe_params
-from ._side_files import SideFile, take_side_files, write_side_files
 
 if TYPE_CHECKING:
     from ._save import _Publish
 
 __all__ = ["SaveHandle", "finished", "start", "wait_previous"]
 
-# The formats written in the background; "deepspeed" (the engine's own save_checkpoint,
+# The formats written in the background; "deepspeed" (backend.native_checkpoint().save,
 # collective inside) is written synchronously and its handle is returned done.
 ASYNC_FORMATS = ("full", "dcp")
 Commit = Callable[..., None]  # `_save.commit`
+SmallFile = tuple[str, Any, Path]  # what (for messages), the state taken, its file
 
 
 class SaveHandle:
@@ -231,15 +230,15 @@ def start(
     publish: _Publish,
     backend: Backend,
     optimizers: Optimizers,
-    side: tuple[Any, Sequence[Any], Mapping[str, Any] | None],
+    attempts: Attempts,
+    files: list[SmallFile],
     commit: Commit,
 ) -> SaveHandle:
     """Copy the state to the CPU (collective where the format gathers) and start the
-    background thread that writes it and commits; return the save's handle."""
+    background thread that writes it and the small files already taken, and commits;
+    return the save's handle."""
     global _pending
-    attempts = Attempts(publish.temporary)
     staged, publish.params = _stage_parts(publish.fmt, backend, optimizers, attempts)
-    files, publish.has_scaler = take_side_files(attempts, publish.temporary, *side, copied=True)
     group = dcp_group(max(call.timeout, WRITE_TIMEOUT_S)) if publish.fmt == "dcp" else None
     handle = SaveHandle(publish.final)
     thread = threading.Thread(
@@ -258,11 +257,14 @@ def _stage_parts(
 ) -> tuple[dict[str, Any] | None, dict[str, list[Any]]]:
     """The CPU copy of the model and optimizer (``dcp``: every rank's shards; ``full``:
     gathered to rank 0, None elsewhere) and the model's shapes."""
+    staged = None
     if fmt == "dcp":
         state = sharded_state(backend, optimizers)
         with quiet_torch():  # the global shapes of the shards
             params = describe_params(state["model"])
-        return attempts.run(stage, state, what="a CPU copy of the state"), params
+        with attempts.keep("a CPU copy of the state"):
+            staged = stage(state)
+        return staged, params
     leader = dist.get_rank() == 0
     state = {"model": backend.model_state(full=True, rank0_only=True)}
     if optimizers:
@@ -272,9 +274,9 @@ def _stage_parts(
         }
     if not leader:
         return None, {}
-    return attempts.run(stage, state, what="a CPU copy of the state"), describe_params(
-        state["model"]
-    )
+    with attempts.keep("a CPU copy of the state"):
+        staged = stage(state)
+    return staged, describe_params(state["model"])
 
 
 def _run(
@@ -290,19 +292,21 @@ def _run(
     ``parts``: the staged copy and the small files, emptied as they are taken (the copy's
     memory goes back once written)."""
     staged: dict[str, Any] | None = parts[0]
-    files: list[SideFile] = parts[1]
+    files: list[SmallFile] = parts[1]
     parts.clear()
     try:
         folder = publish.temporary
         if publish.fmt == "dcp":  # collective on its own group: every rank takes part
-            shards = staged if staged is not None else {}
-            attempts.run(write_dcp, shards, folder, group, what=DCP_FOLDER, collective=True)
+            with attempts.keep(DCP_FOLDER):
+                write_dcp(staged if staged is not None else {}, folder, group)
         elif staged is not None:  # "full", rank 0
-            attempts.run(save_tensor_file, staged["model"], folder / MODEL_FILE, what=MODEL_FILE)
-            if "optim" in staged:
-                optim = staged["optim"]
-                attempts.run(save_tensor_file, optim, folder / OPTIM_FILE, what=OPTIM_FILE)
-        write_side_files(attempts, files)
+            for key, name in (("model", MODEL_FILE), ("optim", OPTIM_FILE)):
+                if key in staged:
+                    with attempts.keep(name):
+                        save_tensor_file(staged[key], folder / name)
+        for what, value, file in files:
+            with attempts.keep(what):
+                save_tensor_file(value, file)
         del staged, files  # the copy's memory goes back before the commit's wait
         commit(call, attempts.error, publish, background=True)
         handle._end(None)

@@ -23,11 +23,13 @@ large model is slow). ``timeout=`` only bounds these waits; the steps are the sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import comm_collectives as dist
 
@@ -96,6 +98,27 @@ def failure(operation: str, mine: BaseException | None, outcomes: Sequence[str])
         raise mine
     details = "; ".join(f"rank {rank}: {text}" for rank, text in failures)
     raise CheckpointError(f"{operation} failed on {len(failures)} rank(s): {details}") from mine
+
+
+class Attempts:
+    """One rank's failure between two exchanges: kept, not raised, so that the rank still
+    takes part in the collective steps after it; the next exchange reports it on every
+    rank (`Call.share`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.error: BaseException | None = None
+
+    @contextlib.contextmanager
+    def keep(self, what: str) -> Iterator[None]:
+        """Run the block; keep its failure (the first one), naming ``what``."""
+        try:
+            yield
+        except Exception as caught:
+            if self.error is None:
+                message = f"writing {what} into {self.folder} failed on {where()}: {caught}"
+                self.error = CheckpointError(message)
+                self.error.__cause__ = caught
 
 
 class Call:

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from comm_wrappers.backends import describe_params, quiet_torch
+
 from . import _publish
 from ._convert_deepspeed import _write_deepspeed
 from ._convert_destination import PLAIN_SUFFIXES as PLAIN_SUFFIXES
@@ -24,7 +26,6 @@ from ._convert_progress import save_with_progress as save_with_progress
 from ._convert_source import Source as Source
 from ._convert_source import full_model_state_of as full_model_state_of
 from ._convert_source import read_source as read_source
-from ._format_common import quiet_torch
 from ._layout import (
     DCP_FOLDER,
     EXTRA_FILE,
@@ -35,7 +36,6 @@ from ._layout import (
     SCHEDULERS_FILE,
 )
 from ._manifest import write_manifest
-from ._params import describe_params
 
 TARGETS = ("plain", "full", "sharded", "deepspeed")
 # What a converted folder copies from a comm source folder as it is.

@@ -1,28 +1,52 @@
-"""DeepSpeed's own checkpoint files: native save and load, reading them safely, consolidation.
+"""DeepSpeed's own checkpoint folders: their names and layout, reading them safely,
+consolidation.
 
-The engine's state itself (full weights in and out, ZeRO-3 gathering) is the DeepSpeed
-backend adapter's (``comm_wrappers.backends``). Imported only when a DeepSpeed engine or
-DeepSpeed's files are at hand: DeepSpeed is the ``deepspeed`` extra.
+Saving and loading them natively is the model's backend adapter's
+(``Backend.native_checkpoint`` in ``comm_wrappers.backends``); what is here knows the files
+only. Imported only when DeepSpeed's files are at hand (or its records must be allowed):
+DeepSpeed itself is the ``deepspeed`` extra, imported only to name its record classes.
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import pickle
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._consensus import where
 from ._errors import CheckpointError
-from ._files import UNSAFE_HINT, _weights_only_detail, deepspeed_safe_globals
-from ._layout import DS_FOLDER, DS_TAG
+from ._files import UNSAFE_HINT, _weights_only_detail
+from ._rng import numpy_safe_globals
+
+# The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins:
+# plain records, rebuilt from their fields (no code of their own runs).
+_DEEPSPEED_RECORDS = (
+    ("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+    ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+    ("deepspeed.utils.tensor_fragment", ("fragment_address",)),
+)
+
+
+def deepspeed_safe_globals() -> list[Any]:
+    """DeepSpeed's record classes (and NumPy's values) for ``weights_only`` loading."""
+    allowed: list[Any] = numpy_safe_globals()
+    for module_name, names in _DEEPSPEED_RECORDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        allowed += [getattr(module, name) for name in names if hasattr(module, name)]
+    return allowed
 
 
 def safe_load(path: Any, map_location: Any = None) -> Any:
-    """``torch.load(weights_only=True)`` of a DeepSpeed file, DeepSpeed's records allowed."""
+    """``torch.load(weights_only=True)`` of a DeepSpeed file, DeepSpeed's records allowed.
+
+    What DeepSpeed reads its files with when the checkpoint package loads them natively
+    (the ``torch_load`` of ``NativeCheckpoint.load``), unless the caller opted out.
+    """
     try:
         with torch.serialization.safe_globals(deepspeed_safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
@@ -32,75 +56,6 @@ def safe_load(path: Any, map_location: Any = None) -> Any:
             f"({_weights_only_detail(str(error))}). {UNSAFE_HINT}."
         )
         raise CheckpointError(message) from error
-
-
-@contextlib.contextmanager
-def _engine_loads_safely(engine: Any, allow_unsafe_pickle: bool) -> Iterator[None]:
-    """Make the engine read its files with `safe_load` (unless the caller opted out)."""
-    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
-    if allow_unsafe_pickle or checkpoint_engine is None:
-        yield
-        return
-    checkpoint_engine.load = safe_load
-    try:
-        yield
-    finally:
-        del checkpoint_engine.load
-
-
-def _deepspeed() -> Any:
-    try:
-        import deepspeed
-    except ImportError as error:
-        message = (
-            "this needs DeepSpeed: install torch first, then "
-            'pip install --no-build-isolation "comm-strategies[deepspeed]"'
-        )
-        raise CheckpointError(message) from error
-    return deepspeed
-
-
-def save_native(engine: Any, folder: Path) -> None:
-    """``engine.save_checkpoint`` into ``folder/deepspeed/state`` (collective)."""
-    engine.save_checkpoint(str(folder / DS_FOLDER), tag=DS_TAG, client_state={}, save_latest=False)
-
-
-def load_native(
-    engine: Any,
-    folder: Path,
-    tag: str | None,
-    *,
-    strict: bool,
-    load_optimizer: bool,
-    allow_unsafe_pickle: bool = False,
-) -> None:
-    """``engine.load_checkpoint`` of a DeepSpeed folder (collective).
-
-    Its files are read with ``weights_only=True`` and DeepSpeed's few record classes
-    allowed, unless ``allow_unsafe_pickle``.
-    """
-    with _engine_loads_safely(engine, allow_unsafe_pickle):
-        loaded, _ = engine.load_checkpoint(
-            str(folder),
-            tag=tag,
-            load_module_strict=strict,
-            load_optimizer_states=load_optimizer,
-            load_lr_scheduler_states=False,
-            load_module_only=not load_optimizer,
-        )
-    if loaded is None:
-        message = f"DeepSpeed could not load {folder} (tag {tag!r}) on {where()}"
-        raise CheckpointError(message)
-
-
-def same_precision(tag_dir: Path, engine: Any) -> bool:
-    """Whether a tag folder's optimizer files are of ``engine``'s precision (a bf16 engine
-    writes ``bf16_zero_pp_rank_*``, another ``zero_pp_rank_*``); True without such files."""
-    files = list(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
-    if not files:
-        return True
-    saved_bf16 = all(path.name.startswith("bf16_") for path in files)
-    return saved_bf16 == bool(engine.bfloat16_enabled())
 
 
 def find_tag(folder: Path) -> str:

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from ._deepspeed_files import deepspeed_safe_globals
 from ._errors import CheckpointError
-from ._files import UNSAFE_HINT, _first_line, _weights_only_detail, deepspeed_safe_globals
+from ._files import UNSAFE_HINT, _first_line, _weights_only_detail
 
 UNIVERSAL_FOLDER = "zero"
 UNIVERSAL_OPTIM_FILE = "optimizer_state.pt"

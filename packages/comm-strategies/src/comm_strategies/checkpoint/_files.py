@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pickle
@@ -14,26 +13,6 @@ import torch
 
 from ._errors import CheckpointError
 from ._rng import numpy_safe_globals
-
-# The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins:
-# plain records, rebuilt from their fields (no code of their own runs).
-_DEEPSPEED_RECORDS = (
-    ("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
-    ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
-    ("deepspeed.utils.tensor_fragment", ("fragment_address",)),
-)
-
-
-def deepspeed_safe_globals() -> list[Any]:
-    """DeepSpeed's record classes (and NumPy's values) for ``weights_only`` loading."""
-    allowed: list[Any] = numpy_safe_globals()
-    for module_name, names in _DEEPSPEED_RECORDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        allowed += [getattr(module, name) for name in names if hasattr(module, name)]
-    return allowed
 
 
 def fsync_enabled() -> bool:
@@ -53,7 +32,9 @@ UNSAFE_HINT = (
 
 
 def save_tensor_file(obj: Any, path: Path) -> None:
-    """``torch.save`` to a private file (0600), through a temporary name and a rename."""
+    """``torch.save`` to a private file (0600), through a temporary name and a rename (its
+    folder created, private, when missing)."""
+    path.parent.mkdir(mode=0o700, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(descriptor, "wb") as handle:

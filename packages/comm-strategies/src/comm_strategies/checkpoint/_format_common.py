@@ -4,64 +4,20 @@ torch's quieting, and loading full model and optimizer states through the backen
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from comm_wrappers.backends import Backend
+from comm_wrappers.backends import Backend, describe_params
 
-from ._consensus import where
 from ._errors import CheckpointError
 from ._manifest import Manifest
-from ._params import check_against, describe_params, fit_names, fit_optimizer_state
+from ._params import check_against, fit_names, fit_optimizer_state
 
 Optimizers = Mapping[str, torch.optim.Optimizer]
-
-# What torch says on DCP calls without a group or with several backends: facts about
-# torch's internals, not about the user's checkpoint.
-_DCP_NOISE = (
-    r".*(?:_get_pg_default_device|Multiple backends are registered|Please use DTensor instead"
-    r"|torch\.distributed is disabled, unavailable or uninitialized)"
-)
-
-
-@contextlib.contextmanager
-def quiet_torch() -> Iterator[None]:
-    """Silence torch's internal chatter during DCP calls."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_DCP_NOISE)
-        yield
-
-
-class Attempts:
-    """Runs one rank's part of a save; keeps the first failure instead of raising, so that
-    the rank still takes part in the collective steps after it (the commit reports it)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.error: BaseException | None = None
-
-    def run(
-        self, function: Callable[..., Any], *args: Any, what: str = "", collective: bool = False
-    ) -> Any:
-        """``function(*args)``, or None when it failed or an earlier part did; a
-        ``collective`` part runs even then (every rank must take part)."""
-        if self.error is not None and not collective:
-            return None
-        try:
-            return function(*args)
-        except Exception as caught:
-            if self.error is None:
-                target = what or getattr(function, "__name__", "a part")
-                message = f"writing {target} into {self.folder} failed on {where()}: {caught}"
-                self.error = CheckpointError(message)
-                self.error.__cause__ = caught
-            return None
 
 
 @dataclass(frozen=True)

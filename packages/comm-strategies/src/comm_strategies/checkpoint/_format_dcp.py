@@ -17,20 +17,19 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.optim import Optimizer
 
 import comm_collectives as dist
-from comm_wrappers.backends import Backend
+from comm_wrappers.backends import Backend, describe_params, quiet_torch
 
+from ._consensus import Attempts
 from ._errors import CheckpointError
 from ._format_common import (
-    Attempts,
     LoadRequest,
     Optimizers,
     check_portable,
     load_full,
-    quiet_torch,
 )
 from ._layout import DCP_FOLDER
 from ._manifest import Manifest
-from ._params import check_against, describe_params, fit_optimizer_groups
+from ._params import check_against, fit_optimizer_groups
 
 
 def sharded_state(backend: Backend, optimizers: Optimizers) -> dict[str, Any]:
@@ -57,7 +56,8 @@ class DcpFormat:
         state = sharded_state(backend, optimizers)
         with quiet_torch():  # the shapes of the state written (global shapes of shards)
             params = describe_params(state["model"])
-        attempts.run(write_dcp, state, folder, what=DCP_FOLDER, collective=True)
+        with attempts.keep(DCP_FOLDER):
+            write_dcp(state, folder)
         return params
 
     def read(

@@ -5,7 +5,7 @@ writes its shards with torch distributed checkpoint) and ``deepspeed`` (DeepSpee
 files, and the full files beside them; the ``dcp`` pair is in ``_format_dcp``, what they
 share in ``_format_common``). Writers and readers call the model's backend adapter
 (``comm_wrappers.backends``) and never ask which backend it is: the adapter decides
-(sharded state or full, DeepSpeed's engine or not).
+(sharded state or full; its own files, ``backend.native_checkpoint()``, or none).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import comm_collectives as dist
-from comm_wrappers.backends import Backend
+from comm_wrappers.backends import Backend, describe_params
 
-from . import _deepspeed_files as ds_files
+from ._consensus import Attempts, Call, where
+from ._deepspeed_files import safe_load
 from ._errors import CheckpointError
 from ._files import load_tensor_file, save_tensor_file
 from ._format_common import (
-    Attempts,
     LoadRequest,
     Optimizers,
     cannot_move_error,
@@ -31,7 +31,7 @@ from ._format_common import (
 from ._format_dcp import DcpFormat
 from ._layout import DS_FOLDER, DS_TAG, MODEL_FILE, OPTIM_FILE
 from ._manifest import Manifest
-from ._params import check_against, describe_params
+from ._params import check_against
 
 
 class FullFormat:
@@ -48,7 +48,8 @@ class FullFormat:
         # shapes would cost FSDP1 a sharded state dict: every unit unsharded once more).
         params = describe_params(state) if leader else {}
         if leader:
-            attempts.run(save_tensor_file, state, folder / MODEL_FILE, what=MODEL_FILE)
+            with attempts.keep(MODEL_FILE):
+                save_tensor_file(state, folder / MODEL_FILE)
         del state
         if optimizers:
             states = {
@@ -56,7 +57,8 @@ class FullFormat:
                 for key, optimizer in optimizers.items()
             }
             if leader:
-                attempts.run(save_tensor_file, states, folder / OPTIM_FILE, what=OPTIM_FILE)
+                with attempts.keep(OPTIM_FILE):
+                    save_tensor_file(states, folder / OPTIM_FILE)
         return params
 
     def read(
@@ -85,10 +87,11 @@ class DeepSpeedFormat:
     """DeepSpeed's own files under ``deepspeed/``, and beside them the portable full copy
     (``model.pt`` with the fp32 master weights, ``optim.pt`` keyed by parameter names).
 
-    The native files are the fast path into an engine of the same ZeRO stage and world
-    size; every other model (another stage, another world size, DDP, FSDP, one process)
-    reads the portable copy, optimizer state included. Checkpoints of format version 1
-    have no portable copy: their weights are consolidated from DeepSpeed's files.
+    Written and read natively through the backend's ``native_checkpoint()``: the fast
+    path into a DeepSpeed model of the same ZeRO stage, world size and precision (its
+    ``fits``); every other model (another stage, another world size, DDP, FSDP, one
+    process) reads the portable copy, optimizer state included. Checkpoints of format
+    version 1 have no portable copy: their weights are consolidated from DeepSpeed's files.
     """
 
     name: ClassVar[str] = "deepspeed"
@@ -96,7 +99,12 @@ class DeepSpeedFormat:
     def write(
         self, backend: Backend, optimizers: Optimizers, folder: Path, attempts: Attempts
     ) -> dict[str, list[Any]]:
-        attempts.run(ds_files.save_native, backend.engine, folder)
+        native = backend.native_checkpoint()
+        if native is None:
+            message = f"the deepspeed format needs a DeepSpeed model, got a {backend.kind} model"
+            raise CheckpointError(message)
+        with attempts.keep("DeepSpeed's files"):
+            native.save(folder / DS_FOLDER, DS_TAG)
         # ZeRO-0 in fp16 has no portable optimizer state: its copy holds the weights only
         portable = optimizers if backend.optimizer_not_portable() is None else {}
         return FullFormat().write(backend, portable, folder, attempts)
@@ -108,18 +116,19 @@ class DeepSpeedFormat:
         if not portable:  # format version 1: DeepSpeed's files are the only copy
             self._native(source, manifest, backend, request)
             return
-        # The native files only where the engine matches them: stage, world size, names and
-        # shapes (a strict load; a strict=False load that skips entries takes the portable
-        # copy) and precision (a bf16 engine's files have other names).
+        # The native files only where the model matches them: names and shapes (a strict
+        # load; a strict=False load that skips entries takes the portable copy), then what
+        # the backend's fits() checks (DeepSpeed: stage, world size and precision).
         skipped = check_against(
             backend.param_shapes(), manifest.params, str(source), request.strict
         )
+        native = backend.native_checkpoint()
         if (
             skipped
-            or backend.engine is None
-            or manifest.zero_stage != backend.describe()["zero_stage"]
-            or manifest.world_size != dist.get_world_size()
-            or not ds_files.same_precision(source / DS_FOLDER / DS_TAG, backend.engine)
+            or native is None
+            or not native.fits(
+                manifest.zero_stage, manifest.world_size, source / DS_FOLDER / DS_TAG
+            )
         ):
             FullFormat().read(source, manifest, backend, request)
             return
@@ -128,9 +137,9 @@ class DeepSpeedFormat:
             self._native(source, manifest, backend, request)
         except Exception as caught:  # e.g. other parameter groups: DeepSpeed's own error
             error = caught
-        try:  # every rank learns whether any rank's native load failed
-            dist.agree("load_checkpoint (DeepSpeed's files)", error)
-        except dist.RemoteRankError:
+        # every rank learns whether any rank's native load failed (a bounded exchange)
+        call = Call("load_checkpoint (DeepSpeed's files)", None)
+        if any(call.outcomes("native", error)):
             FullFormat().read(source, manifest, backend, request)  # overwrites it all
 
     def _native(
@@ -157,30 +166,31 @@ def load_native_folder(
     cannot_move: Callable[[str], CheckpointError],
     load_optimizer: bool,
 ) -> None:
-    """A DeepSpeed folder saved with ``layout`` = (ZeRO stage, world size): natively into an
-    engine of that layout, else read offline into full states (fp32 masters and the
-    optimizer state keyed by names) and loaded as a full checkpoint.
+    """A DeepSpeed folder saved with ``layout`` = (ZeRO stage, world size): natively into a
+    model whose ``backend.native_checkpoint()`` fits it, else read offline into full
+    states (fp32 masters and the optimizer state keyed by names) and loaded as a full
+    checkpoint.
 
-    ``load_optimizer`` is what the engine loads natively: the engine owns its optimizer,
+    ``load_optimizer`` is what a native load loads: DeepSpeed's model owns its optimizer,
     so a folder of DeepSpeed's own loads it even without an optimizer wrapper passed; the
-    optimizers of ``request`` are those that must move (one: DeepSpeed has one).
+    optimizers of ``request`` are those that must move (one: DeepSpeed has one). DeepSpeed
+    reads its files with ``weights_only=True`` (`safe_load`) unless
+    ``request.allow_unsafe_pickle``.
     """
     stage, world = layout
-    same_engine = (
-        backend.engine is not None
-        and stage == backend.describe()["zero_stage"]
-        and world == dist.get_world_size()
-    )
     unsafe = request.allow_unsafe_pickle
-    if same_engine:
-        ds_files.load_native(
-            backend.engine,
+    native = backend.native_checkpoint()
+    if native is not None and native.fits(stage, world, save_dir / tag):
+        loaded = native.load(
             save_dir,
             tag,
             strict=request.strict,
             load_optimizer=load_optimizer,
-            allow_unsafe_pickle=unsafe,
+            torch_load=None if unsafe else safe_load,
         )
+        if not loaded:
+            message = f"DeepSpeed could not load {save_dir} (tag {tag!r}) on {where()}"
+            raise CheckpointError(message)
         return
     not_portable = backend.optimizer_not_portable()
     if request.optimizers and not_portable is not None:

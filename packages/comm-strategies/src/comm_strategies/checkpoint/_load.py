@@ -201,7 +201,8 @@ def _describe(data: Any) -> str:
 def _load_deepspeed_folder(
     source: Path, backend: Backend, request: LoadRequest, load_optimizer: bool
 ) -> None:
-    """DeepSpeed's own folder: natively into an engine of its layout, else read offline
+    """DeepSpeed's own folder: natively into a model whose backend's native_checkpoint()
+    fits it, else read offline
     (fp32 masters and optimizer state) into any model."""
     save_dir, tag = ds_files.split_folder(source)
     stage, world = ds_files.native_layout(save_dir / tag)

@@ -6,21 +6,10 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from comm_collectives import get_rank
 
 from .._names import strip_prefixes
 from ._errors import CheckpointError
-
-
-def describe_params(state: Mapping[str, Any]) -> dict[str, list[Any]]:
-    """``{name: [shape, dtype]}`` of a full model state (its tensors)."""
-    return {
-        name: [list(value.shape), str(value.dtype).removeprefix("torch.")]
-        for name, value in state.items()
-        if isinstance(value, torch.Tensor)
-    }
 
 
 def fit_names(state: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ without ``timeout=``:
 1. enter: rank 0 creates the temporary folder next to the path (`_publish.begin`) and
    describes the model; every rank enters with the same path (`Call.enter`);
 2. write: every rank writes its part of the model and optimizer in the backend's format
-   (`_formats`) and its small files (`_side_files`) into the temporary folder; with
+   (`_formats`) and its small files (`_small_files`) into the temporary folder; with
    ``async_save``, it copies them to the CPU instead and a background thread writes them
    (`_async`);
 3. commit (`Call.commit`): the ranks' outcomes are shared; rank 0 writes the manifest
@@ -17,25 +17,28 @@ without ``timeout=``:
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
+import torch
 from torch import nn
 
 import comm_collectives as dist
 from comm_wrappers.backends import Backend, backend_of
 
-from . import _async, _publish
-from ._async import SaveHandle
-from ._consensus import Call, label
+from .._build import scalers_of
+from . import _async, _publish, _rng
+from ._async import SaveHandle, SmallFile
+from ._consensus import Attempts, Call, label
 from ._errors import CheckpointError
-from ._format_common import Attempts
+from ._files import save_tensor_file
 from ._formats import FORMATS
+from ._layout import DEFAULT_KEY, EXTRA_FILE, RNG_FOLDER, SCALER_FILE, SCHEDULERS_FILE
 from ._manifest import write_manifest
-from ._side_files import take_side_files, write_side_files
 from ._state import named_optimizers, refuse_unportable
 
 
@@ -176,17 +179,15 @@ def save_checkpoint(
         extra_keys=_keys_of(extra),
     )
     _enter(call, publish, backend)
-    if async_save and fmt in _async.ASYNC_FORMATS:
-        return _async.start(
-            call, publish, backend, optimizers, (optim_wrapper, schedulers, extra), commit
-        )
     attempts = Attempts(publish.temporary)
+    if async_save and fmt in _async.ASYNC_FORMATS:  # the same steps, written in a thread
+        files = _small_files(attempts, publish, optim_wrapper, schedulers, extra, copied=True)
+        return _async.start(call, publish, backend, optimizers, attempts, files, commit)
     # the format's collective parts run on every rank, even after a local failure
     publish.params = FORMATS[fmt].write(backend, optimizers, publish.temporary, attempts)
-    files, publish.has_scaler = take_side_files(
-        attempts, publish.temporary, optim_wrapper, schedulers, extra
-    )
-    write_side_files(attempts, files)
+    for what, value, file in _small_files(attempts, publish, optim_wrapper, schedulers, extra):
+        with attempts.keep(what):
+            save_tensor_file(value, file)
     commit(call, attempts.error, publish)
     return _async.finished(final) if async_save else final
 
@@ -254,6 +255,57 @@ def _publish_checkpoint(publish: _Publish) -> None:
     _publish.finish(publish.temporary, publish.final)
     if publish.keep_last is not None:
         _publish.retain(publish.final, publish.keep_last)
+
+
+def _small_files(
+    attempts: Attempts,
+    publish: _Publish,
+    optim_wrapper: Any,
+    schedulers: Sequence[Any],
+    extra: Mapping[str, Any] | None,
+    *,
+    copied: bool = False,
+) -> list[SmallFile]:
+    """This rank's small files, their states taken now (``copied``: copies with tensors on
+    the CPU, for a write after training went on): its RNG state; on rank 0 the schedulers,
+    the grad scalers and the user state. Notes in ``publish`` whether a scaler is saved."""
+    me = dist.get_rank()
+    wanted: list[tuple[str, Callable[[], Any], str]] = [
+        ("RNG state", _rng.capture, f"{RNG_FOLDER}/rank_{me}.pt")
+    ]
+    scalers = scalers_of(optim_wrapper)
+    publish.has_scaler = bool(scalers)
+    if me == 0 and schedulers:
+        wanted.append(
+            ("the schedulers", lambda: [s.state_dict() for s in schedulers], SCHEDULERS_FILE)
+        )
+    if me == 0 and scalers:
+        wanted.append(
+            (
+                "the grad scaler",
+                lambda: {DEFAULT_KEY if k == "" else k: s.state_dict() for k, s in scalers.items()},
+                SCALER_FILE,
+            )
+        )
+    if me == 0 and extra:
+        wanted.append(("the user state (extra)", lambda: dict(extra), EXTRA_FILE))
+    files: list[SmallFile] = []
+    for what, produce, name in wanted:
+        with attempts.keep(what):
+            state = produce()
+            files.append((what, _snapshot(state) if copied else state, publish.temporary / name))
+    return files
+
+
+def _snapshot(value: Any) -> Any:
+    """A deep copy of user state (schedulers, scaler, ``extra``) with tensors on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return type(value)({key: _snapshot(item) for key, item in value.items()})  # type: ignore[call-arg]
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_snapshot(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def _enter(call: Call, publish: _Publish, backend: Backend) -> None:

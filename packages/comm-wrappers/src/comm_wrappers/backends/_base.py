@@ -3,8 +3,9 @@
 One adapter per backend (plain module here; DDP, FSDP1, FSDP2 and DeepSpeed in the modules
 beside this one), chosen once for a model by `backend_of`. Optimizer wrappers ask it for
 the gradient sync, clipping, scaler and autocast device; checkpoints for the state dicts,
-the natural format and the manifest's description. Nothing above it branches on the kind
-of model.
+the natural format, the manifest's description and the backend's own checkpoint files
+(`Backend.native_checkpoint`, DeepSpeed's). Nothing above it branches on the kind of
+model.
 
 Every backend but DeepSpeed goes through ``torch.distributed.checkpoint.state_dict``: one
 naming (the user module's names, no ``module.`` or FSDP prefixes) and optimizer state keyed
@@ -27,6 +28,7 @@ from comm_collectives import get_rank
 
 from .._registry import is_model_wrapper, module_device, unwrap_model
 from ._device import rank_device
+from ._native import NativeCheckpoint
 from ._state import describe_params, has_tensor_state, quiet_torch, to_cpu
 
 __all__ = ["Backend", "new_grad_scaler"]
@@ -177,6 +179,16 @@ class Backend:
     def describe(self) -> dict[str, Any]:
         """``{"wrapper": kind, "sharding": ..., "zero_stage": ...}`` for a manifest."""
         return {"wrapper": self.kind, "sharding": None, "zero_stage": None}
+
+    def native_checkpoint(self) -> NativeCheckpoint | None:
+        """The backend's own checkpoint files, for backends that have them; None for the
+        others.
+
+        A DeepSpeed engine's are its ``save_checkpoint`` / ``load_checkpoint`` files (see
+        [`NativeCheckpoint`][comm_wrappers.backends.NativeCheckpoint]); a plain module,
+        DDP and FSDP have none: their checkpoints are the full or sharded states above.
+        """
+        return None
 
     def param_shapes(self) -> dict[str, list[Any]]:
         """``{name: [shape, dtype]}`` of the full model's state, without gathering it."""
