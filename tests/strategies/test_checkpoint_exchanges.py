@@ -1,10 +1,10 @@
 """How many store exchanges a checkpoint call makes: the commit protocol's, the same with
 and without ``timeout=``, which only bounds the waits.
 
-A load makes one exchange, its entry, which shares what every rank read at the path (its
-manifest, its RNG state): a rank that cannot read them makes every rank raise at once,
-naming it, and the calls stay in step; ranks that pass different paths are told so on
-every rank.
+A load makes two: its entry, which shares what every rank read at the path (its manifest,
+its RNG state): a rank that cannot read them makes every rank raise at once, naming it,
+and the calls stay in step (ranks that pass different paths are told so on every rank);
+then the outcome of the read, so that no rank goes on alone with a half-loaded model.
 
 A save makes three: its entry, the ranks' outcomes of their writes, rank 0's publish. A
 rank whose small files (RNG state; on rank 0 the schedulers, scaler and user state)
@@ -75,13 +75,13 @@ def load_exchanges(root: str) -> dict[str, Any]:
     return out
 
 
-def test_a_load_makes_one_exchange_with_or_without_timeout(
+def test_a_load_makes_two_exchanges_with_or_without_timeout(
     comm_run_distributed: Any, tmp_path: Path
 ) -> None:
     results = comm_run_distributed(load_exchanges, str(tmp_path), timeout=120)
     for result in results:
-        assert result["default_exchanges"] == 1, result
-        assert result["timeout_exchanges"] == 1, result
+        assert result["default_exchanges"] == 2, result  # the entry, the read's outcome
+        assert result["timeout_exchanges"] == 2, result
         for name in ("default", "timeout"):
             assert result[f"{name}_model"] == 0.0
             assert result[f"{name}_momentum"] == 0.0

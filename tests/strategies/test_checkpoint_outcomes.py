@@ -194,3 +194,62 @@ def test_a_dcp_save_publishes_after_every_rank_wrote(comm_pools: Any, tmp_path: 
     assert second["stages"] == ["entered", "written"]
     assert first["same"]
     assert second["same"]
+
+
+def failures_beside_the_files(root: str) -> dict[str, Any]:
+    """Rank 0 fails while describing the full state it writes (outside any file write),
+    then rank 1 fails reading the model file of a load: each call must raise a
+    CheckpointError on both ranks, naming the rank, leave nothing behind, and the calls
+    after it must work."""
+    from comm_strategies.checkpoint import _formats
+
+    model, optim = build("ddp")
+    train_steps(model, optim, range(1))
+    out: dict[str, Any] = {}
+    describe = _formats.describe_params
+    if dist.get_rank() == 0:
+
+        def broken(state: Any) -> Any:
+            raise RuntimeError("out of memory (injected on rank 0)")
+
+        _formats.describe_params = broken
+    try:
+        out["save"] = caught(
+            save_checkpoint, f"{root}/ck", model=model, optim_wrapper=optim, strategy="ddp"
+        )
+    finally:
+        _formats.describe_params = describe
+    out["left"] = _listed(root)
+    good = save_checkpoint(f"{root}/good", model=model, optim_wrapper=optim, strategy="ddp")
+    read = _formats.load_tensor_file
+    if dist.get_rank() == 1:
+
+        def unreadable(*args: Any, **kwargs: Any) -> Any:
+            raise OSError("input/output error (injected on rank 1)")
+
+        _formats.load_tensor_file = unreadable
+    try:
+        out["load"] = caught(load_checkpoint, good, model=model, optim_wrapper=optim)
+    finally:
+        _formats.load_tensor_file = read
+    out["after"] = caught(load_checkpoint, good, model=model, optim_wrapper=optim)
+    return out
+
+
+def test_a_failure_beside_the_file_writes_and_a_failed_read_raise_on_every_rank(
+    comm_pools: Any, tmp_path: Path
+) -> None:
+    for rank, result in enumerate(
+        comm_pools.get(2).run(failures_beside_the_files, str(tmp_path), timeout=120)
+    ):
+        name, message = result["save"]
+        assert name == "CheckpointError", message
+        assert "out of memory (injected on rank 0)" in message, message
+        assert "rank 0" in message, message
+        assert result["left"] == [], result["left"]
+        name, message = result["load"]
+        assert name == "CheckpointError", message
+        assert "input/output error (injected on rank 1)" in message, message
+        if rank == 0:
+            assert message.startswith("load_checkpoint failed on 1 rank(s): rank 1:"), message
+        assert result["after"] == ("", ""), result["after"]

@@ -100,8 +100,9 @@ class SaveHandle:
 
         Args:
             timeout: Seconds to wait at most; None waits until the save ends (the ranks
-                wait for each other's writes at most the larger of the save's timeout and
-                an hour).
+                wait for each other's writes at most what is left of the save's
+                ``timeout=``, or without one the larger of ``COMM_CHECKPOINT_TIMEOUT``
+                (300 s) and an hour).
 
         Returns:
             The published checkpoint folder.
@@ -150,10 +151,11 @@ def wait_previous() -> None:
     so that the new save, which may succeed, still happens.
     """
     global _pending
-    previous, _pending = _pending, None
+    previous = _pending
     if previous is None:
         return
     previous._finished.wait()
+    _pending = None  # only now: its staged copy's memory is free for the next save
     if previous._error is not None and not previous._observed:
         message = (
             f"the previous async save ({previous.path}) failed and nobody called its "
@@ -238,7 +240,9 @@ def start(
     background thread that writes it and the small files already taken, and commits;
     return the save's handle."""
     global _pending
-    staged, publish.params = _stage_parts(publish.fmt, backend, optimizers, attempts)
+    staged: dict[str, Any] | None = None
+    with attempts.keep("the model and optimizer state"):  # the commit raises it everywhere
+        staged, publish.params = _stage_parts(publish.fmt, backend, optimizers, attempts)
     group = dcp_group(max(call.timeout, WRITE_TIMEOUT_S)) if publish.fmt == "dcp" else None
     handle = SaveHandle(publish.final)
     thread = threading.Thread(

@@ -213,6 +213,8 @@ class Call:
     ) -> list[str]:
         if self.deadline is None:
             bound = max(self.timeout, WRITE_TIMEOUT_S)
+        elif step == "published":  # rank 0's short publish: not cut by the call's end
+            bound = max(self.deadline - time.monotonic(), self.timeout)
         else:  # at least a moment: the others may be there already
             bound = max(self.deadline - time.monotonic(), 0.5)
         started = time.monotonic()
@@ -221,6 +223,13 @@ class Call:
             return dist.rendezvous(key, text, timeout=bound, poll=background)
         except dist.CommTimeoutError as timed_out:
             missing = list(getattr(timed_out, "missing", []))
+            if "too late" in str(timed_out):  # the others had posted, then given it up
+                message = (
+                    f"{self.operation} on {where()}: reached step {step!r} after the other "
+                    "ranks had given it up at their timeout; raise the timeout (timeout= or "
+                    f"{_TIMEOUT_VARIABLE}) if the ranks are only slow."
+                )
+                raise CheckpointError(message) from (error or timed_out)
             message = (
                 f"{self.operation} on {where()}: waited {time.monotonic() - started:.1f} s "
                 f"at step {step!r} for rank(s) {missing}; a rank died or is stuck: check "

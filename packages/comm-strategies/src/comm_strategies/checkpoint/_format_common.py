@@ -13,6 +13,7 @@ import torch
 
 from comm_wrappers.backends import Backend, describe_params
 
+from ._consensus import Call
 from ._errors import CheckpointError
 from ._manifest import Manifest
 from ._params import check_against, fit_names, fit_optimizer_state
@@ -25,12 +26,15 @@ class LoadRequest:
     """What a load asks of a reader.
 
     Attributes:
+        call: The load's exchanges (a reader whose fast path may fail on some rank shares
+            that outcome through it before its fallback).
         strict: The model's names must equal the checkpoint's.
         optimizers: The torch optimizers to fill, by the checkpoint's keys (empty: the
             weights only).
         allow_unsafe_pickle: Files that need full unpickling may be read.
     """
 
+    call: Call
     strict: bool = True
     optimizers: Optimizers = field(default_factory=dict)
     allow_unsafe_pickle: bool = False

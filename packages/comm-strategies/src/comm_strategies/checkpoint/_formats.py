@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import comm_collectives as dist
 from comm_wrappers.backends import Backend, describe_params
 
-from ._consensus import Attempts, Call, where
+from ._consensus import Attempts, where
 from ._deepspeed_files import safe_load
 from ._errors import CheckpointError
 from ._files import load_tensor_file, save_tensor_file
@@ -103,11 +103,14 @@ class DeepSpeedFormat:
         if native is None:
             message = f"the deepspeed format needs a DeepSpeed model, got a {backend.kind} model"
             raise CheckpointError(message)
-        with attempts.keep("DeepSpeed's files"):
-            native.save(folder / DS_FOLDER, DS_TAG)
         # ZeRO-0 in fp16 has no portable optimizer state: its copy holds the weights only
         portable = optimizers if backend.optimizer_not_portable() is None else {}
-        return FullFormat().write(backend, portable, folder, attempts)
+        params = FullFormat().write(backend, portable, folder, attempts)
+        # Last: DeepSpeed's save ends in a barrier of its own, which a rank that failed
+        # inside it skips; nothing collective follows it before the commit.
+        with attempts.keep("DeepSpeed's files"):
+            native.save(folder / DS_FOLDER, DS_TAG)
+        return params
 
     def read(
         self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
@@ -137,9 +140,8 @@ class DeepSpeedFormat:
             self._native(source, manifest, backend, request)
         except Exception as caught:  # e.g. other parameter groups: DeepSpeed's own error
             error = caught
-        # every rank learns whether any rank's native load failed (a bounded exchange)
-        call = Call("load_checkpoint (DeepSpeed's files)", None)
-        if any(call.outcomes("native", error)):
+        # every rank learns whether any rank's native load failed (the load's own call)
+        if any(request.call.outcomes("native", error)):
             FullFormat().read(source, manifest, backend, request)  # overwrites it all
 
     def _native(
@@ -208,6 +210,7 @@ def load_native_folder(
     )
     optim_states = {key: state.optim for key in request.optimizers if state.optim is not None}
     moved = LoadRequest(
+        request.call,
         request.strict,
         {k: v for k, v in request.optimizers.items() if k in optim_states},
         unsafe,

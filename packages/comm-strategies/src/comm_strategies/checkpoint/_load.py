@@ -87,29 +87,52 @@ def load_checkpoint(
     source = Path(path).absolute()
     # What this rank finds at the path (its manifest, its RNG state) first; the entry
     # shares it: a rank that failed makes every rank raise, before any data moves.
-    found = _find(source, strict, optimizers, allow_unsafe_pickle, load_rng)
+    found = _find(call, source, strict, optimizers, allow_unsafe_pickle, load_rng)
     call.enter(str(source), found.error)
-    kind, manifest, request = found.kind, found.manifest, found.request
-    if kind == "file":
+    extra: dict[str, Any] = {}
+    error: BaseException | None = None
+    try:
+        loads = (load_optimizer, load_schedulers)
+        extra = _read(source, found, backend, optim_wrapper, schedulers, loads)
+    except Exception as caught:  # shared: no rank goes on alone with a half-loaded model
+        error = caught
+    call.share("loaded", error)
+    if found.rng is not None:  # read before the entry, set once every rank loaded the rest
+        _rng.restore(found.rng)
+    return extra
+
+
+def _read(
+    source: Path,
+    found: _Found,
+    backend: Backend,
+    optim_wrapper: Any,
+    schedulers: Sequence[Any],
+    loads: tuple[bool, bool],
+) -> dict[str, Any]:
+    """The read of what `_find` found: the model and optimizer by the format's reader, then
+    the scalers, the schedulers and the user state (returned). ``loads``: the caller's
+    ``load_optimizer`` and ``load_schedulers``."""
+    manifest, request = found.manifest, found.request
+    load_optimizer, load_schedulers = loads
+    unsafe = request.allow_unsafe_pickle
+    if found.kind == "file":
         _load_plain_file(source, backend, request)
         return {}
-    if kind == "deepspeed":
+    if found.kind == "deepspeed":
         _load_deepspeed_folder(source, backend, request, load_optimizer)
         return {}
     assert manifest is not None
     FORMATS[manifest.format].read(source, manifest, backend, request)
     if request.optimizers and manifest.has_scaler:
-        _load_scalers(source, optim_wrapper, allow_unsafe_pickle)
+        _load_scalers(source, optim_wrapper, unsafe)
     if load_schedulers and schedulers:
-        _load_schedulers(source, manifest, schedulers, allow_unsafe_pickle)
-    if found.rng is not None:  # read before the entry, set now that the rest is loaded
-        _rng.restore(found.rng)
+        _load_schedulers(source, manifest, schedulers, unsafe)
     if not manifest.extra_keys:
         return {}
-    extra = load_tensor_file(
-        source / EXTRA_FILE, allow_unsafe_pickle=allow_unsafe_pickle, what="user state"
+    return dict(
+        load_tensor_file(source / EXTRA_FILE, allow_unsafe_pickle=unsafe, what="user state")
     )
-    return dict(extra)
 
 
 @dataclass
@@ -125,6 +148,7 @@ class _Found:
 
 
 def _find(
+    call: Call,
     source: Path,
     strict: bool,
     optimizers: dict[str, torch.optim.Optimizer],
@@ -137,7 +161,7 @@ def _find(
     With ``load_rng``, this rank's RNG state is read here too (set once the rest is
     loaded): a file that cannot be read fails the call on every rank before any data
     moves, and the read overlaps the wait for the other ranks' entry."""
-    found = _Found("", None, LoadRequest(strict, optimizers, allow_unsafe_pickle), None)
+    found = _Found("", None, LoadRequest(call, strict, optimizers, allow_unsafe_pickle), None)
     try:
         if source.is_file():
             found.kind = "file"
@@ -148,9 +172,8 @@ def _find(
             found.kind = "deepspeed"
         else:
             found.manifest = read_manifest(source)
-            found.request = LoadRequest(
-                strict, _saved_optimizers(source, found.manifest, optimizers), allow_unsafe_pickle
-            )
+            saved = _saved_optimizers(source, found.manifest, optimizers)
+            found.request = LoadRequest(call, strict, saved, allow_unsafe_pickle)
             if load_rng:
                 found.rng = _read_rng(source, found.manifest, allow_unsafe_pickle)
     except Exception as caught:

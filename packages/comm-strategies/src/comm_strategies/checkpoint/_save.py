@@ -9,7 +9,7 @@ without ``timeout=``:
    (`_formats`) and its small files (`_small_files`) into the temporary folder; with
    ``async_save``, it copies them to the CPU instead and a background thread writes them
    (`_async`);
-3. commit (`Call.commit`): the ranks' outcomes are shared; rank 0 writes the manifest
+3. commit (`commit`, two `Call.share`): the ranks' outcomes are shared; rank 0 writes the manifest
    (`_manifest.write_manifest`), renames the folder into place (`_publish.finish`) and,
    with ``keep_last``, removes the older checkpoints beside it (`_publish.retain`); that
    outcome is shared too, so every rank returns or raises the same failure.
@@ -183,8 +183,10 @@ def save_checkpoint(
     if async_save and fmt in _async.ASYNC_FORMATS:  # the same steps, written in a thread
         files = _small_files(attempts, publish, optim_wrapper, schedulers, extra, copied=True)
         return _async.start(call, publish, backend, optimizers, attempts, files, commit)
-    # the format's collective parts run on every rank, even after a local failure
-    publish.params = FORMATS[fmt].write(backend, optimizers, publish.temporary, attempts)
+    # the format's collective parts run on every rank, even after a local failure; any
+    # failure reaches the commit, which raises it on every rank
+    with attempts.keep("the model and optimizer state"):
+        publish.params = FORMATS[fmt].write(backend, optimizers, publish.temporary, attempts)
     for what, value, file in _small_files(attempts, publish, optim_wrapper, schedulers, extra):
         with attempts.keep(what):
             save_tensor_file(value, file)
@@ -273,7 +275,9 @@ def _small_files(
     wanted: list[tuple[str, Callable[[], Any], str]] = [
         ("RNG state", _rng.capture, f"{RNG_FOLDER}/rank_{me}.pt")
     ]
-    scalers = scalers_of(optim_wrapper)
+    scalers: dict[str, Any] = {}
+    with attempts.keep("the grad scalers"):
+        scalers = scalers_of(optim_wrapper)
     publish.has_scaler = bool(scalers)
     if me == 0 and schedulers:
         wanted.append(

@@ -22,6 +22,8 @@ from comm_wrappers import (
     MMSeparateDistributedDataParallel,
 )
 
+from ._mmengine_hook import attach_runner_hook
+
 __all__ = [
     "CommDistributedDataParallel",
     "CommFullyShardedDataParallel",
@@ -68,8 +70,6 @@ def _attach_to_building_runner() -> None:
         if frame.f_code.co_name == "wrap_model":
             candidate = frame.f_locals.get("self")
             if isinstance(candidate, runner_module.Runner):
-                from ._mmengine_runner import attach_runner_hook  # imports this module
-
                 attach_runner_hook(candidate)
                 return
         frame = frame.f_back

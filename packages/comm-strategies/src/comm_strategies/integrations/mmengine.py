@@ -45,12 +45,12 @@ from ..ddp import DDPStrategy
 from ..deepspeed import DeepSpeedStrategy
 from ..fsdp import FSDPStrategy
 from ..single import SingleDeviceStrategy
+from ._mmengine_hook import CommRunnerHook
 from ._mmengine_resume import repair_pointer as _repair_pointer
 from ._mmengine_runner import (
     CommDistributedDataParallel,
     CommFullyShardedDataParallel,
     CommFullyShardedDataParallel2,
-    CommRunnerHook,
     CommSeparateDistributedDataParallel,
     _register,
     comm_wrappers_in_use,
