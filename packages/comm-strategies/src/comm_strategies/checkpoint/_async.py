@@ -1,26 +1,17 @@
 """Async save: the state copied to the CPU at the call, written by a background thread.
 
-``save_checkpoint(..., async_save=True)`` takes the same steps as a synchronous save
-(`_save`'s commit protocol), the write and the commit in a background thread:
-
-- on the calling thread, while the model is still: the entry, the format's collective
-  gathers (a full save of a sharded model gathers it to rank 0), the copy of every tensor
-  to the CPU (torch distributed checkpoint's public ``DefaultStager``: DTensors and
-  ShardedTensors keep their layout, and the memory of the previous copy is reused for the
-  same tensors) and the small files taken as copies; a `SaveHandle` is returned;
-- on the background thread, while training goes on: the files written (``dcp``: by torch
-  distributed checkpoint over a gloo group of its own, created once on the calling thread
-  of every rank, so that the thread never runs a collective of the default group beside
-  the training thread's), then the commit, whose store exchanges check the store instead
-  of holding its client in a blocking wait (``background=True``).
-
-A rank whose copy failed writes nothing but takes part in the DCP writes; the commit fails
-the save on every rank, and ``wait()`` raises it. A second save, synchronous or not, first
-waits for the previous one (`wait_previous`), which also keeps the DCP group to one save
-at a time. A process killed during an async save leaves its temporary folder (removed by
-the next save) and the previous checkpoint whole. The interpreter waits for a pending
-save at exit (the thread is not a daemon); call ``wait()`` before destroying the process
-group.
+``save_checkpoint(..., async_save=True)`` takes a synchronous save's steps (`_save`). On
+the calling thread, while the model is still: the entry, the format's gathers, the copy
+of every tensor to the CPU (torch's public ``DefaultStager``: DTensors keep their layout,
+the previous copy's memory is reused) and the small files taken as copies; a `SaveHandle`
+is returned. On the background thread, while training goes on: the files written (DCP
+over a gloo group of its own, created on the calling thread, so the thread never runs a
+collective of the default group), then the commit, whose waits poll the store
+(``background=True``). A failure on any rank fails the save on every rank at ``wait()``.
+A second save or a load first waits for this one (`wait_previous`). A killed process
+leaves its temporary folder (removed by the next save) and the previous checkpoint whole.
+The interpreter waits for a pending save at exit (the thread is not a daemon); call
+``wait()`` before destroying the process group.
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
 """The commit protocol of every checkpoint call: enter, work, commit.
 
-Every save and load, sync or async, in every format, with or without ``timeout=``:
-
-1. `Call.enter`: every rank posts the same path (and rank 0 what it prepared, the
-   temporary folder) with its outcome so far; every rank gets every rank's value, or
-   raises: a rank that failed, a rank that did not come (called alone, under
-   ``if rank == 0``), or ranks that passed different paths.
-2. The work: this rank's part (the format's write or read, its small files). A local
-   failure is kept (`Attempts`), not raised, so the rank still takes part in what
-   follows; the formats' collectives (DCP's, a full state's gathers) run on every rank.
-3. The commit (saves, `_save.commit`): every rank shares its outcome (`Call.share`); when
-   none failed rank 0 publishes (its manifest, the rename, the retention) and shares that
-   outcome; every rank raises the same failure, naming each failed rank (`failure`), or
-   returns.
+1. `Call.enter`: every rank posts the operation, the path, its outcome so far and a
+   payload (rank 0's temporary folder); every rank gets every payload, or every rank
+   raises: a rank failed, did not come (called alone), or passed another path or call.
+2. The work (the format's write or read, the small files): a local failure is kept
+   (`Attempts.keep`), not raised, so the rank still takes part in the collectives after.
+3. `Call.share`: every rank posts its outcome; every rank raises the same failure, naming
+   each failed rank (`failure`, the one place this is built), or goes on. A save shares
+   twice around rank 0's publish (`_save.commit`); a load once, after its read.
 
 Every exchange is a bounded `comm_collectives.rendezvous` on the process group's store (no
-tensor, no device sync, nothing left pending in the group after a timeout): the entry
-waits ``timeout`` (default ``COMM_CHECKPOINT_TIMEOUT`` or 300 s), the commit what is left
-of it when the caller passed one, else the longer of the entry's and an hour (writing a
-large model is slow). ``timeout=`` only bounds these waits; the steps are the same.
+tensor, nothing left pending in the group after a timeout). The entry waits ``timeout``
+(default ``COMM_CHECKPOINT_TIMEOUT`` or 300 s), the shares what is left of it when the
+caller passed one, else the longer of that and an hour (writing a large model is slow).
+``timeout=`` only bounds the waits; the steps are the same.
 """
 
 from __future__ import annotations
@@ -49,34 +44,29 @@ def where() -> str:
 
 def handshake_timeout(timeout: float | None, operation: str) -> float:
     """The timeout of the entry: the argument, the variable, or the default."""
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            message = (
-                f"{operation}: timeout must be a number of seconds, got {timeout!r} "
-                f"({type(timeout).__name__})"
-            )
-            raise CheckpointError(message)
-        return _checked(float(timeout), "timeout", operation)
-    value = os.environ.get(_TIMEOUT_VARIABLE)
-    if value:
+    source, given = "timeout", timeout
+    if timeout is None:
+        source, text = _TIMEOUT_VARIABLE, os.environ.get(_TIMEOUT_VARIABLE)
+        if not text:
+            return DEFAULT_TIMEOUT_S
         try:
-            seconds = float(value)
+            given = float(text)
         except ValueError:
-            message = f"{_TIMEOUT_VARIABLE} must be a number of seconds, got {value!r}"
+            message = f"{_TIMEOUT_VARIABLE} must be a number of seconds, got {text!r}"
             raise CheckpointError(message) from None
-        return _checked(seconds, _TIMEOUT_VARIABLE, operation)
-    return DEFAULT_TIMEOUT_S
-
-
-def _checked(seconds: float, source: str, operation: str) -> float:
-    """``seconds`` when it bounds a wait (infinity, NaN, 0 or less do not)."""
-    if not (0.0 < seconds < math.inf):
+    if isinstance(given, bool) or not isinstance(given, (int, float)):
         message = (
-            f"{operation}: {source} must be a positive, finite number of seconds, got "
-            f"{seconds!r}; pass a large number (86400: a day) to wait long"
+            f"{operation}: timeout must be a number of seconds, got {given!r} "
+            f"({type(given).__name__})"
         )
         raise CheckpointError(message)
-    return seconds
+    if not (0.0 < given < math.inf):  # infinity, NaN, 0 or less bound no wait
+        message = (
+            f"{operation}: {source} must be a positive, finite number of seconds, got "
+            f"{float(given)!r}; pass a large number (86400: a day) to wait long"
+        )
+        raise CheckpointError(message)
+    return float(given)
 
 
 def label(error: BaseException | None) -> str:
@@ -87,14 +77,15 @@ def label(error: BaseException | None) -> str:
 def failure(operation: str, mine: BaseException | None, outcomes: Sequence[str]) -> None:
     """Raise when any rank's outcome (index = rank, ``""``: no failure) is a failure.
 
-    This rank's own `CheckpointError` when it alone failed; else one error naming every
-    failed rank with its failure, caused by this rank's own failure if it had one. The one
-    place a failure of a checkpoint call is told to every rank.
+    A rank that failed with a `CheckpointError` raises its own (it names the file and the
+    rank); every other rank raises one error naming each failed rank with its failure,
+    caused by its own failure if it had one. The one place a failure of a checkpoint call
+    is told to every rank.
     """
     failures = [(rank, text) for rank, text in enumerate(outcomes) if text]
     if not failures:
         return
-    if isinstance(mine, CheckpointError) and len(failures) == 1:
+    if isinstance(mine, CheckpointError):
         raise mine
     details = "; ".join(f"rank {rank}: {text}" for rank, text in failures)
     raise CheckpointError(f"{operation} failed on {len(failures)} rank(s): {details}") from mine

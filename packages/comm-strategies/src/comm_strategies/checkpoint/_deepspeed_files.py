@@ -111,14 +111,6 @@ def consolidate(folder: Path, *, allow_unsafe_pickle: bool) -> dict[str, torch.T
     ).model
 
 
-def folder_world_size(tag_dir: Path) -> int | None:
-    """How many data-parallel ranks saved a DeepSpeed tag folder (from its file names)."""
-    optim = list(tag_dir.glob("*optim_states.pt"))
-    if optim:
-        return len(optim)
-    return None
-
-
 def native_layout(folder: Path) -> tuple[int | None, int | None]:
     """``(ZeRO stage, data-parallel world size)`` recorded in a DeepSpeed tag folder."""
     files = sorted(folder.glob("*model_states.pt"))

@@ -1,6 +1,5 @@
-"""What every checkpoint format shares: the load request, the local-write bookkeeping,
-torch's quieting, and loading full model and optimizer states through the backend adapter.
-"""
+"""What the checkpoint formats share: the load request, and loading full model and
+optimizer states through the backend adapter."""
 
 from __future__ import annotations
 

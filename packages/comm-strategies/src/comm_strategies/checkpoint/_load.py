@@ -207,26 +207,20 @@ def _load_plain_file(source: Path, backend: Backend, request: LoadRequest) -> No
     elif isinstance(data, Mapping) and isinstance(data.get("module"), Mapping):
         data = data["module"]  # DeepSpeed's mp_rank_00_model_states.pt
     if not isinstance(data, Mapping) or not any(isinstance(v, torch.Tensor) for v in data.values()):
+        got = f"a dict with keys {sorted(map(str, data))[:8]}" if isinstance(data, Mapping) else ""
         message = (
             f"{source} holds no state dict: expected {{name: tensor}} or "
-            f"{{'state_dict': {{name: tensor}}}}, got {_describe(data)}"
+            f"{{'state_dict': {{name: tensor}}}}, got {got or f'a {type(data).__name__}'}"
         )
         raise CheckpointError(message)
     load_full_model(backend, data, request.strict, str(source))
-
-
-def _describe(data: Any) -> str:
-    if isinstance(data, Mapping):
-        return f"a dict with keys {sorted(map(str, data))[:8]}"
-    return f"a {type(data).__name__}"
 
 
 def _load_deepspeed_folder(
     source: Path, backend: Backend, request: LoadRequest, load_optimizer: bool
 ) -> None:
     """DeepSpeed's own folder: natively into a model whose backend's native_checkpoint()
-    fits it, else read offline
-    (fp32 masters and optimizer state) into any model."""
+    fits it, else read offline (fp32 masters and optimizer state) into any model."""
     save_dir, tag = ds_files.split_folder(source)
     stage, world = ds_files.native_layout(save_dir / tag)
 
@@ -238,10 +232,11 @@ def _load_deepspeed_folder(
         )
         return CheckpointError(message)
 
+    layout = (stage, world)
     load_native_folder(
         save_dir,
         tag,
-        (stage, world),
+        layout,
         backend,
         request,
         cannot_move=cannot_move,

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..__about__ import __version__
 from ._errors import CheckpointError
 from ._files import write_json
@@ -141,17 +143,11 @@ def write_manifest(
 
 
 def _versions() -> dict[str, str]:
-    versions = {"torch": _torch_version(), "comm-strategies": __version__}
+    versions = {"torch": str(torch.__version__), "comm-strategies": __version__}
     deepspeed = sys.modules.get("deepspeed")
     if deepspeed is not None:
         versions["deepspeed"] = str(getattr(deepspeed, "__version__", "?"))
     return versions
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
 
 
 def list_files(folder: Path) -> dict[str, int]:

@@ -11,6 +11,7 @@ hidden and deleted the same way.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -172,7 +173,7 @@ def newest_first(parent: Path, *, whole: bool = False, unpublished: bool = False
             continue
         if "comm-strategies" not in manifest.versions:
             continue
-        if whole and not _whole(candidate, manifest.files):
+        if whole and not is_whole(candidate, manifest.files):
             continue
         found.append(((manifest.saved_at, candidate.name), candidate))
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
@@ -183,7 +184,7 @@ def _cut_between(name: str, visible: set[str], replaced: set[str]) -> bool:
     return name not in visible and name in replaced
 
 
-def _whole(folder: Path, files: dict[str, int]) -> bool:
+def is_whole(folder: Path, files: dict[str, int]) -> bool:
     """Whether every file of ``files`` (name: size) is in ``folder`` at its size."""
     try:
         return all((folder / name).stat().st_size == size for name, size in files.items())
@@ -261,18 +262,13 @@ def _wait_for_deletions() -> None:
 
 
 def _fsync_dir(folder: Path) -> None:
-    if not fsync_enabled():
-        return
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
+    if fsync_enabled():
+        with contextlib.suppress(OSError):
+            descriptor = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
 
 
 _LEFTOVER = re.compile(r"\..+\.(tmp|old)-[0-9a-f]{12}")  # temporary_name's, retain's names

@@ -1,18 +1,14 @@
 """``save_checkpoint``: one folder layout for every strategy, written atomically.
 
-The commit protocol of `_consensus`, the same for every format, sync or async, with or
-without ``timeout=``:
+The commit protocol of `_consensus`, the same for every format, sync or async:
 
-1. enter: rank 0 creates the temporary folder next to the path (`_publish.begin`) and
-   describes the model; every rank enters with the same path (`Call.enter`);
-2. write: every rank writes its part of the model and optimizer in the backend's format
-   (`_formats`) and its small files (`_small_files`) into the temporary folder; with
-   ``async_save``, it copies them to the CPU instead and a background thread writes them
-   (`_async`);
-3. commit (`commit`, two `Call.share`): the ranks' outcomes are shared; rank 0 writes the manifest
-   (`_manifest.write_manifest`), renames the folder into place (`_publish.finish`) and,
-   with ``keep_last``, removes the older checkpoints beside it (`_publish.retain`); that
-   outcome is shared too, so every rank returns or raises the same failure.
+1. enter (`_enter`): rank 0 creates the temporary folder (`_publish.begin`) and describes
+   the model; every rank enters with the same path (`Call.enter`);
+2. write: every rank writes its part in the backend's format (`_formats`) and its small
+   files (`_small_files`); with ``async_save`` it copies them and a thread writes them;
+3. `commit`: the ranks' outcomes shared; rank 0 writes the manifest (`write_manifest`),
+   renames the folder into place and applies ``keep_last`` (`_publish`); that outcome
+   shared, so every rank returns or raises the same failure.
 """
 
 from __future__ import annotations
@@ -352,15 +348,13 @@ def _keys_of(extra: Any) -> list[str]:
 
 
 def _check_keep_last(keep_last: int | None) -> None:
-    if keep_last is None:
-        return
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int):
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)):
         message = (
             f"save_checkpoint: keep_last must be an int or None, got {keep_last!r} "
             f"({type(keep_last).__name__})"
         )
         raise TypeError(message)
-    if keep_last < 1:
+    if keep_last is not None and keep_last < 1:
         message = (
             f"save_checkpoint: keep_last must be at least 1 (the new checkpoint is always "
             f"kept), got {keep_last}; pass None to keep every checkpoint"

@@ -37,6 +37,7 @@ from typing import Any
 import comm_collectives as dist
 
 from ..checkpoint import CheckpointError, read_manifest
+from ..checkpoint._publish import is_whole
 
 __all__ = [
     "POINTER",
@@ -71,10 +72,7 @@ def complete_since(path: Path) -> float | None:
             manifest = read_manifest(path)
             if "comm-strategies" not in manifest.versions:
                 return None
-            for name, size in manifest.files.items():
-                if (path / name).stat().st_size != size:
-                    return None
-            return float(manifest.saved_at)
+            return float(manifest.saved_at) if is_whole(path, manifest.files) else None
         if path.is_file() and zipfile.is_zipfile(path):
             return path.stat().st_mtime
     except (CheckpointError, OSError):
