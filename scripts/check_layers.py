@@ -23,6 +23,7 @@ OPTIONAL = {
     ("comm_strategies", "comm_strategies/checkpoint/_rng.py", "numpy"),
     ("comm_strategies", "comm_strategies/integrations/mmengine.py", "mmengine"),
     ("comm_strategies", "comm_strategies/integrations/_mmengine_runner.py", "mmengine"),
+    ("comm_strategies", "comm_strategies/integrations/_mmengine_hook.py", "mmengine"),
     ("comm_strategies", "comm_strategies/integrations/_mmengine_state.py", "mmengine"),
 }
 
