@@ -107,6 +107,11 @@ if ! hatch run strategies:bench-checkpoint --smoke --out "$ROOT/.tools/bench-che
   log "checkpoint benchmark smoke run failed (report above); running it once more"
   hatch run strategies:bench-checkpoint --smoke --out "$ROOT/.tools/bench-checkpoint-smoke"
 fi
+log "benchmark smoke run: checkpoint fixed cost per part, and comm against raw DCP at world 4"
+if ! hatch run strategies:bench-checkpoint-cost --smoke --out "$ROOT/.tools/bench-checkpoint-cost-smoke"; then
+  log "checkpoint cost benchmark smoke run failed (report above); running it once more"
+  hatch run strategies:bench-checkpoint-cost --smoke --out "$ROOT/.tools/bench-checkpoint-cost-smoke"
+fi
 log "benchmark smoke run: recovery (a rank killed under torchrun --max-restarts, one restart)"
 if ! hatch run strategies:bench-recovery --smoke --out "$ROOT/.tools/bench-recovery-smoke"; then
   log "recovery benchmark smoke run failed (report above); running it once more"
