@@ -86,6 +86,18 @@ def model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def shared_folder(directory: str, prefix: str) -> Path:
+    """A fresh folder under ``directory`` made by rank 0, its name given to every rank."""
+    folder = (
+        Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
+        if torch_dist.get_rank() == 0
+        else Path()
+    )
+    names = [str(folder)]
+    torch_dist.broadcast_object_list(names, src=0)
+    return Path(names[0])
+
+
 def barrier() -> None:
     torch_dist.barrier()
 
@@ -255,12 +267,7 @@ def time_rank(settings: dict[str, Any], skipped: dict[str, str]) -> dict[str, An
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     rank = torch_dist.get_rank()
-    folder = (
-        Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=settings["dir"])) if rank == 0 else Path()
-    )
-    names = [str(folder)]
-    torch_dist.broadcast_object_list(names, src=0)
-    folder = Path(names[0])
+    folder = shared_folder(settings["dir"], "bench-ckpt-")
     out: dict[str, Any] = {}
     for case, build in CASES.items():
         if case.startswith("DeepSpeed") and "deepspeed" in skipped:
@@ -296,14 +303,7 @@ def memory_rank(settings: dict[str, Any]) -> dict[str, Any]:
     from comm_wrappers import MMFullyShardedDataParallel, MMFullyShardedDataParallel2
 
     rank = torch_dist.get_rank()
-    folder = (
-        Path(tempfile.mkdtemp(prefix="bench-ckpt-mem-", dir=settings["dir"]))
-        if rank == 0
-        else Path()
-    )
-    names = [str(folder)]
-    torch_dist.broadcast_object_list(names, src=0)
-    folder = Path(names[0])
+    folder = shared_folder(settings["dir"], "bench-ckpt-mem-")
     out: dict[str, Any] = {}
     for name, wrapper in (
         ("FSDP2", MMFullyShardedDataParallel2),

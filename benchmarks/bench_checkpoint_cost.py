@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from _common import ROOT, median_interval, rank_env, write_results
-from bench_checkpoint import barrier, make_mlp, model_bytes, one_step, slowest
+from bench_checkpoint import barrier, make_mlp, model_bytes, one_step, shared_folder, slowest
 
 from comm_core.testing import launch
 
@@ -214,8 +214,8 @@ def install(recorder: Recorder, backend_class: type) -> None:
     recorder.wrap(_rng, "capture", "capture")
     recorder.wrap(_save, "save_tensor_file", "save_tensor_file")
     recorder.wrap(_save, "commit", "commit")
-    recorder.wrap(_save, "_publish_checkpoint", "_publish_checkpoint")
-    recorder.wrap(_save, "write_manifest", "write_manifest")
+    recorder.wrap(_publish, "publish", "publish")
+    recorder.wrap(_publish, "write_manifest", "write_manifest")
     recorder.wrap(_manifest, "list_files", "list_files")
     recorder.wrap(_manifest, "write_json", "write_json")
     recorder.wrap(_publish, "finish", "finish")
@@ -284,14 +284,7 @@ def cost_rank(settings: dict[str, Any]) -> dict[str, Any]:
     from comm_wrappers.backends import backend_of
 
     rank = torch_dist.get_rank()
-    folder = (
-        Path(tempfile.mkdtemp(prefix="bench-ckpt-cost-", dir=settings["dir"]))
-        if rank == 0
-        else Path()
-    )
-    names = [str(folder)]
-    torch_dist.broadcast_object_list(names, src=0)
-    folder = Path(names[0])
+    folder = shared_folder(settings["dir"], "bench-ckpt-cost-")
     recorder = Recorder()
     out: dict[str, Any] = {"sizes": {}}
     try:
@@ -531,7 +524,7 @@ SAVE_ROWS = [
     ("small files written (`save_tensor_file`: RNG)", "save_tensor_file"),
     ("commit (`_save.commit`)", "commit"),
     ("· exchange `written` (`Call.share`)", "Call.share written"),
-    ("· rank 0: publish (`_publish_checkpoint`)", "_publish_checkpoint"),
+    ("· rank 0: publish (`_publish.publish`)", "publish"),
     ("·· `write_manifest`", "write_manifest"),
     ("··· `list_files`", "list_files"),
     ("··· `write_json`", "write_json"),

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -40,9 +40,7 @@ from ._files import save_tensor_file
 from ._format_common import Optimizers
 from ._format_dcp import sharded_state, write_dcp
 from ._layout import DCP_FOLDER, MODEL_FILE, OPTIM_FILE
-
-if TYPE_CHECKING:
-    from ._save import _Publish
+from ._publish import Publication
 
 __all__ = ["SaveHandle", "finished", "start", "wait_previous"]
 
@@ -220,7 +218,7 @@ def dcp_group(timeout_s: float) -> Any:
 
 def start(
     call: Call,
-    publish: _Publish,
+    publish: Publication,
     backend: Backend,
     optimizers: Optimizers,
     attempts: Attempts,
@@ -277,7 +275,7 @@ def _stage_parts(
 def _run(
     handle: SaveHandle,
     call: Call,
-    publish: _Publish,
+    publish: Publication,
     commit: Commit,
     attempts: Attempts,
     parts: list[Any],

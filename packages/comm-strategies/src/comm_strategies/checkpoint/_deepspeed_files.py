@@ -1,5 +1,4 @@
-"""DeepSpeed's own checkpoint folders: their names and layout, reading them safely,
-consolidation.
+"""DeepSpeed's own checkpoint folders: their names and layout, consolidation.
 
 Saving and loading them natively is the model's backend adapter's
 (``Backend.native_checkpoint`` in ``comm_wrappers.backends``); what is here knows the files
@@ -9,53 +8,12 @@ DeepSpeed itself is the ``deepspeed`` extra, imported only to name its record cl
 
 from __future__ import annotations
 
-import importlib
-import pickle
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from ._deepspeed_records import deepspeed_safe_globals
 from ._errors import CheckpointError
-from ._files import UNSAFE_HINT, _weights_only_detail
-from ._rng import numpy_safe_globals
-
-# The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins:
-# plain records, rebuilt from their fields (no code of their own runs).
-_DEEPSPEED_RECORDS = (
-    ("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
-    ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
-    ("deepspeed.utils.tensor_fragment", ("fragment_address",)),
-)
-
-
-def deepspeed_safe_globals() -> list[Any]:
-    """DeepSpeed's record classes (and NumPy's values) for ``weights_only`` loading."""
-    allowed: list[Any] = numpy_safe_globals()
-    for module_name, names in _DEEPSPEED_RECORDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        allowed += [getattr(module, name) for name in names if hasattr(module, name)]
-    return allowed
-
-
-def safe_load(path: Any, map_location: Any = None) -> Any:
-    """``torch.load(weights_only=True)`` of a DeepSpeed file, DeepSpeed's records allowed.
-
-    What DeepSpeed reads its files with when the checkpoint package loads them natively
-    (the ``torch_load`` of ``NativeCheckpoint.load``), unless the caller opted out.
-    """
-    try:
-        with torch.serialization.safe_globals(deepspeed_safe_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as error:
-        message = (
-            f"{path} holds objects beyond DeepSpeed's plain checkpoint records "
-            f"({_weights_only_detail(str(error))}). {UNSAFE_HINT}."
-        )
-        raise CheckpointError(message) from error
 
 
 def find_tag(folder: Path) -> str:

@@ -1,6 +1,7 @@
 """The records of DeepSpeed's checkpoint folders, read offline: the safe loader and helpers.
 
-What every layout reader of ``_deepspeed_offline`` shares: ``DeepSpeedState`` (what a folder
+The safe loaders (`deepspeed_safe_globals`, `safe_load` for a native load), and what every
+layout reader of ``_deepspeed_offline`` shares: ``DeepSpeedState`` (what a folder
 holds, full), ``load_file`` (``torch.load(weights_only=True)`` with DeepSpeed's few record
 classes allowed), the layout's file names, and the model states file's common fields
 (module, buffers, shared parameters, bf16, step counter, LR scheduler).
@@ -9,6 +10,7 @@ classes allowed), the layout's file names, and the model states file's common fi
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import pickle
 import zipfile
 from collections.abc import Mapping
@@ -17,9 +19,47 @@ from typing import Any
 
 import torch
 
-from ._deepspeed_files import deepspeed_safe_globals
 from ._errors import CheckpointError
 from ._files import UNSAFE_HINT, _first_line, _weights_only_detail
+from ._rng import numpy_safe_globals
+
+# The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins:
+# plain records, rebuilt from their fields (no code of their own runs).
+_DEEPSPEED_RECORDS = (
+    ("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+    ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+    ("deepspeed.utils.tensor_fragment", ("fragment_address",)),
+)
+
+
+def deepspeed_safe_globals() -> list[Any]:
+    """DeepSpeed's record classes (and NumPy's values) for ``weights_only`` loading."""
+    allowed: list[Any] = numpy_safe_globals()
+    for module_name, names in _DEEPSPEED_RECORDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        allowed += [getattr(module, name) for name in names if hasattr(module, name)]
+    return allowed
+
+
+def safe_load(path: Any, map_location: Any = None) -> Any:
+    """``torch.load(weights_only=True)`` of a DeepSpeed file, DeepSpeed's records allowed.
+
+    What DeepSpeed reads its files with when the checkpoint package loads them natively
+    (the ``torch_load`` of ``NativeCheckpoint.load``), unless the caller opted out.
+    """
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        message = (
+            f"{path} holds objects beyond DeepSpeed's plain checkpoint records "
+            f"({_weights_only_detail(str(error))}). {UNSAFE_HINT}."
+        )
+        raise CheckpointError(message) from error
+
 
 UNIVERSAL_FOLDER = "zero"
 UNIVERSAL_OPTIM_FILE = "optimizer_state.pt"

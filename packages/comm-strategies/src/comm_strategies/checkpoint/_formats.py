@@ -18,7 +18,7 @@ import comm_collectives as dist
 from comm_wrappers.backends import Backend, describe_params
 
 from ._consensus import Attempts, where
-from ._deepspeed_files import safe_load
+from ._deepspeed_records import safe_load
 from ._errors import CheckpointError
 from ._files import load_tensor_file, save_tensor_file
 from ._format_common import (

@@ -19,11 +19,15 @@ import threading
 import time
 import uuid
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import comm_collectives as dist
 
 from ._errors import CheckpointError
 from ._files import fsync_enabled
-from ._manifest import MANIFEST_NAME, read_manifest
+from ._manifest import MANIFEST_NAME, read_manifest, write_manifest
 
 
 def temporary_name(final: Path) -> Path:
@@ -42,6 +46,45 @@ def begin(final: Path, temporary: Path) -> str:
     except OSError as caught:
         status = f"cannot create {temporary}: {caught}"
     return status
+
+
+@dataclass
+class Publication:
+    """What rank 0's `publish` needs, gathered as a save goes on (`_save`)."""
+
+    final: Path
+    temporary: Path
+    keep_last: int | None
+    strategy: str
+    fmt: str
+    optimizer_keys: list[str]
+    num_schedulers: int
+    extra_keys: list[str]
+    described: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, list[Any]] = field(default_factory=dict)
+    has_scaler: bool = False
+
+
+def publish(publication: Publication) -> None:
+    """Rank 0, once every rank's files are whole: the manifest, the rename into place, the
+    retention."""
+    world = dist.get_world_size()
+    write_manifest(
+        publication.temporary,
+        strategy=publication.strategy,
+        world_size=world,
+        format=publication.fmt,
+        params=publication.params,
+        optimizer_keys=publication.optimizer_keys,
+        num_schedulers=publication.num_schedulers,
+        has_scaler=publication.has_scaler,
+        rng_ranks=list(range(world)),
+        extra_keys=publication.extra_keys,
+        **publication.described,
+    )
+    finish(publication.temporary, publication.final)
+    if publication.keep_last is not None:
+        retain(publication.final, publication.keep_last)
 
 
 def abandon(temporary: Path) -> None:

@@ -6,9 +6,9 @@ The commit protocol of `_consensus`, the same for every format, sync or async:
    the model; every rank enters with the same path (`Call.enter`);
 2. write: every rank writes its part in the backend's format (`_formats`) and its small
    files (`_small_files`); with ``async_save`` it copies them and a thread writes them;
-3. `commit`: the ranks' outcomes shared; rank 0 writes the manifest (`write_manifest`),
-   renames the folder into place and applies ``keep_last`` (`_publish`); that outcome
-   shared, so every rank returns or raises the same failure.
+3. `commit`: the ranks' outcomes shared; rank 0 writes the manifest, renames the folder
+   into place and applies ``keep_last`` (`_publish.publish`); that outcome shared, so
+   every rank returns or raises the same failure.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -34,7 +33,7 @@ from ._errors import CheckpointError
 from ._files import save_tensor_file
 from ._formats import FORMATS
 from ._layout import DEFAULT_KEY, EXTRA_FILE, RNG_FOLDER, SCALER_FILE, SCHEDULERS_FILE
-from ._manifest import write_manifest
+from ._publish import Publication
 from ._state import named_optimizers, refuse_unportable
 
 
@@ -164,7 +163,7 @@ def save_checkpoint(
         refuse_unportable(backend, "save_checkpoint(sharded=False)")
     call = Call("save_checkpoint", timeout)
     final = Path(path).absolute()
-    publish = _Publish(
+    publish = Publication(
         final=final,
         temporary=_publish.temporary_name(final),
         keep_last=keep_last,
@@ -190,25 +189,8 @@ def save_checkpoint(
     return _async.finished(final) if async_save else final
 
 
-@dataclass
-class _Publish:
-    """What rank 0's publish needs, gathered as the save goes on (`publish`)."""
-
-    final: Path
-    temporary: Path
-    keep_last: int | None
-    strategy: str
-    fmt: str
-    optimizer_keys: list[str]
-    num_schedulers: int
-    extra_keys: list[str]
-    described: dict[str, Any] = field(default_factory=dict)
-    params: dict[str, list[Any]] = field(default_factory=dict)
-    has_scaler: bool = False
-
-
 def commit(
-    call: Call, error: BaseException | None, publish: _Publish, *, background: bool = False
+    call: Call, error: BaseException | None, publish: Publication, *, background: bool = False
 ) -> None:
     """The commit: every rank's outcome shared; rank 0 publishes when none failed, and its
     outcome is shared too. A failed save leaves nothing behind.
@@ -222,7 +204,7 @@ def commit(
         outcome: CheckpointError | None = None
         if leader:
             try:
-                _publish_checkpoint(publish)
+                _publish.publish(publish)
             except Exception as caught:
                 outcome = CheckpointError(f"cannot publish {publish.final}: {label(caught)}")
                 outcome.__cause__ = caught
@@ -233,31 +215,9 @@ def commit(
         raise
 
 
-def _publish_checkpoint(publish: _Publish) -> None:
-    """Rank 0, once every rank's files are whole: the manifest, the rename into place, the
-    retention."""
-    world = dist.get_world_size()
-    write_manifest(
-        publish.temporary,
-        strategy=publish.strategy,
-        world_size=world,
-        format=publish.fmt,
-        params=publish.params,
-        optimizer_keys=publish.optimizer_keys,
-        num_schedulers=publish.num_schedulers,
-        has_scaler=publish.has_scaler,
-        rng_ranks=list(range(world)),
-        extra_keys=publish.extra_keys,
-        **publish.described,
-    )
-    _publish.finish(publish.temporary, publish.final)
-    if publish.keep_last is not None:
-        _publish.retain(publish.final, publish.keep_last)
-
-
 def _small_files(
     attempts: Attempts,
-    publish: _Publish,
+    publish: Publication,
     optim_wrapper: Any,
     schedulers: Sequence[Any],
     extra: Mapping[str, Any] | None,
@@ -308,7 +268,7 @@ def _snapshot(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _enter(call: Call, publish: _Publish, backend: Backend) -> None:
+def _enter(call: Call, publish: Publication, backend: Backend) -> None:
     """The entry: rank 0 creates the temporary folder and describes the model first, so
     that one exchange checks that every rank is here with the same path, shares rank 0's
     outcome and hands every rank rank 0's temporary folder (its name is drawn by each
