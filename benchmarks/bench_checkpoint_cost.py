@@ -185,13 +185,12 @@ def install(recorder: Recorder, backend_class: type) -> None:
         _load,
         _manifest,
         _publish,
-        _rng,
         _save,
     )
 
     for module in (_save, _load):
         recorder.wrap(module, "backend_of", "backend_of")
-        recorder.wrap(module, "named_optimizers", "named_optimizers")
+        recorder.wrap(module, "torch_optimizers", "torch_optimizers")
         recorder.wrap(module, "Call", "Call()")
     recorder.wrap(_async, "wait_previous", "wait_previous")
     recorder.wrap(_publish, "temporary_name", "temporary_name")
@@ -200,7 +199,7 @@ def install(recorder: Recorder, backend_class: type) -> None:
     recorder.wrap(_publish, "begin", "begin")
     recorder.wrap(_publish, "_remove_stale", "_remove_stale")
     recorder.wrap(_publish, "_replaceable", "_replaceable")
-    recorder.wrap(_publish, "_is_checkpoint", "_is_checkpoint")
+    recorder.wrap(_publish, "_our_manifest", "_our_manifest")
     recorder.wrap(_publish, "not_ours", "not_ours")
     recorder.wrap(backend_class, "describe", "describe")
     recorder.wrap(_consensus.Call, "enter", "Call.enter")
@@ -211,8 +210,8 @@ def install(recorder: Recorder, backend_class: type) -> None:
         recorder.wrap(module, "describe_params", "describe_params")
     recorder.wrap(_format_dcp, "write_dcp", "write_dcp")
     recorder.wrap(_save, "_small_files", "_small_files")
-    recorder.wrap(_rng, "capture", "capture")
-    recorder.wrap(_save, "save_tensor_file", "save_tensor_file")
+    recorder.wrap(_files, "capture_rng", "capture")
+    recorder.wrap(_files, "save_small_file", "save_small_file")
     recorder.wrap(_save, "commit", "commit")
     recorder.wrap(_publish, "publish", "publish")
     recorder.wrap(_publish, "write_manifest", "write_manifest")
@@ -225,8 +224,6 @@ def install(recorder: Recorder, backend_class: type) -> None:
     recorder.wrap(_load, "read_manifest", "read_manifest")
     recorder.wrap(_load, "_read_rng", "_read_rng")
     recorder.wrap(_load, "_read", "_read")
-    recorder.wrap(_files, "_not_a_torch_zip", "_not_a_torch_zip")
-    recorder.wrap(_files, "numpy_safe_globals", "numpy_safe_globals")
     recorder.wrap(_format_dcp.DcpFormat, "read", "DcpFormat.read")
     recorder.wrap(_format_dcp._Reader, "__init__", "_Reader()")
     recorder.wrap(_format_dcp, "check_against", "check_against")
@@ -236,7 +233,7 @@ def install(recorder: Recorder, backend_class: type) -> None:
     recorder.wrap(_format_dcp, "_drop_unsaved_optim_state", "_drop_unsaved_optim_state")
     recorder.wrap(_format_dcp, "dcp_load", "dcp_load")
     recorder.wrap(backend_class, "load_sharded_state", "load_sharded_state")
-    recorder.wrap(_rng, "restore", "restore")
+    recorder.wrap(_load, "restore_rng", "restore")
     # async: the blocked call's copy
     recorder.wrap(_async, "start", "start")
     recorder.wrap(_async, "_stage_parts", "_stage_parts")
@@ -443,15 +440,15 @@ def _minus(sample: Sample, key: str, whole: str, parts: list[str]) -> None:
     ]
 
 
-SAVE_TOP = ["backend_of", "named_optimizers", "_enter", "DcpFormat.write", "_small_files"]
-SAVE_TOP += ["save_tensor_file", "commit"]
+SAVE_TOP = ["backend_of", "torch_optimizers", "_enter", "DcpFormat.write", "_small_files"]
+SAVE_TOP += ["save_small_file", "commit"]
 SAVE_TORCH = ["sharded_state", "write_dcp"]
-LOAD_TOP = ["backend_of", "named_optimizers", "_find", "Call.enter", "_read"]
+LOAD_TOP = ["backend_of", "torch_optimizers", "_find", "Call.enter", "_read"]
 LOAD_TOP += ["Call.share loaded", "restore"]
 LOAD_READ = ["sharded_state", "describe_params", "check_against", "_check_group_count"]
 LOAD_READ += ["metadata read", "_drop_unsaved_optim_state", "dcp_load", "load_sharded_state"]
 LOAD_TORCH = ["sharded_state", "dcp_load", "load_sharded_state", "metadata read"]
-ASYNC_TOP = ["backend_of", "named_optimizers", "_enter", "_small_files", "start"]
+ASYNC_TOP = ["backend_of", "torch_optimizers", "_enter", "_small_files", "start"]
 
 
 def derive(operation: str, sample: Sample) -> Sample:
@@ -508,20 +505,20 @@ def part_table(
 
 SAVE_ROWS = [
     ("`backend_of` (the model's adapter)", "backend_of"),
-    ("`named_optimizers`", "named_optimizers"),
+    ("`torch_optimizers`", "torch_optimizers"),
     ("entry (`_save._enter`)", "_enter"),
     ("· rank 0: `_publish.begin` (temporary folder)", "begin"),
     ("·· `_remove_stale` (leftovers of killed saves)", "_remove_stale"),
     ("·· `_replaceable` (the folder replaced is a checkpoint)", "_replaceable"),
-    ("··· `_is_checkpoint` (its manifest read)", "_is_checkpoint"),
-    ("··· `not_ours` (its manifest read, its files walked)", "not_ours"),
+    ("··· `_our_manifest` (its manifest read)", "_our_manifest"),
+    ("··· `not_ours` (its files walked)", "not_ours"),
     ("· rank 0: `backend.describe()`", "describe"),
     ("· the exchange (`Call.enter`)", "Call.enter"),
     ("`describe_params` (in the format's write)", "describe_params"),
     ("the format's write, less its parts (`DcpFormat.write`)", "write glue"),
     ("small files, states taken (`_small_files`)", "_small_files"),
-    ("· `_rng.capture`", "capture"),
-    ("small files written (`save_tensor_file`: RNG)", "save_tensor_file"),
+    ("· `_files.capture_rng`", "capture"),
+    ("small files written (`save_small_file`: RNG)", "save_small_file"),
     ("commit (`_save.commit`)", "commit"),
     ("· exchange `written` (`Call.share`)", "Call.share written"),
     ("· rank 0: publish (`_publish.publish`)", "publish"),
@@ -542,12 +539,10 @@ SAVE_ROWS = [
 ]
 LOAD_ROWS = [
     ("`backend_of` (the model's adapter)", "backend_of"),
-    ("`named_optimizers`", "named_optimizers"),
+    ("`torch_optimizers`", "torch_optimizers"),
     ("find (`_load._find`)", "_find"),
     ("· `read_manifest`", "read_manifest"),
     ("· this rank's RNG file (`_read_rng`)", "_read_rng"),
-    ("·· `_files._not_a_torch_zip`", "_not_a_torch_zip"),
-    ("·· `_rng.numpy_safe_globals`", "numpy_safe_globals"),
     ("entry (`Call.enter`)", "Call.enter"),
     ("`_load._read`, less the format's read (scalers, schedulers, user state)", "_read glue"),
     ("`describe_params` (in the format's read)", "describe_params"),
@@ -557,7 +552,7 @@ LOAD_ROWS = [
     ("the format's read, less its parts (`DcpFormat.read`)", "read glue"),
     ("· `_Reader()` (DCP's FileSystemReader)", "_Reader()"),
     ("exchange `loaded` (`Call.share`)", "Call.share loaded"),
-    ("RNG restored (`_rng.restore`)", "restore"),
+    ("RNG restored (`_files.restore_rng`)", "restore"),
     ("the rest of `load_checkpoint` (unwrapped)", "rest"),
     ("· `_async.wait_previous`", "wait_previous"),
     ("· `Call()`", "Call()"),
@@ -579,7 +574,7 @@ ASYNC_ROWS = [
     ("·· `describe_params`", "describe_params"),
     ("·· `stage` (the CPU copy)", "stage"),
     ("· `dcp_group`", "dcp_group"),
-    ("the rest (`backend_of`, `named_optimizers`, unwrapped)", "rest"),
+    ("the rest (`backend_of`, `torch_optimizers`, unwrapped)", "rest"),
     ("(of which garbage collections, in whichever part they fell)", "gc"),
     ("whole blocked call", "total"),
 ]

@@ -11,6 +11,7 @@ Set ``COMM_CKPT_MATRIX_OUT`` to a file path to get the measured matrix as markdo
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import re
@@ -19,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
@@ -244,6 +246,7 @@ def resume_equals_uninterrupted(root: str, kind: str, amp: bool = False) -> dict
         train_step(model, optim, step)
         scheduler.step()
     random.seed(rank)
+    numpy.random.seed(rank + 3)
     torch.manual_seed(rank + 7)
     path = save_checkpoint(
         f"{root}/resume_{kind}",
@@ -253,7 +256,7 @@ def resume_equals_uninterrupted(root: str, kind: str, amp: bool = False) -> dict
         strategy=strategy_of(kind),
         extra={"step": 3, "note": "three steps"},
     )
-    draws = (torch.rand(3), random.random())
+    draws = (torch.rand(3), random.random(), numpy.random.rand(2).tolist())
     lrs = []
     for step in range(3, 6):
         train_step(model, optim, step)
@@ -267,13 +270,14 @@ def resume_equals_uninterrupted(root: str, kind: str, amp: bool = False) -> dict
     )
     torch.manual_seed(1234)  # the load must bring the saved RNG state back
     random.seed(1234)
+    numpy.random.seed(1234)
     extra = load_checkpoint(
         path,
         model=resumed,
         optim_wrapper=resumed_optim,
         schedulers=[resumed_scheduler],
     )  # DeepSpeed's own files too: read with weights_only, DeepSpeed's records allowed
-    resumed_draws = (torch.rand(3), random.random())
+    resumed_draws = (torch.rand(3), random.random(), numpy.random.rand(2).tolist())
     resumed_lrs = []
     for step in range(extra["step"], 6):
         train_step(resumed, resumed_optim, step)
@@ -283,7 +287,7 @@ def resume_equals_uninterrupted(root: str, kind: str, amp: bool = False) -> dict
     return {
         "diff": max_diff(full_params(resumed), expected),
         "moved": max_diff(expected, full_params(build(kind, seed=5)[0])),
-        "draws": bool(torch.equal(draws[0], resumed_draws[0])) and draws[1] == resumed_draws[1],
+        "draws": bool(torch.equal(draws[0], resumed_draws[0])) and draws[1:] == resumed_draws[1:],
         "lrs": (lrs, resumed_lrs),
         "extra": extra,
         "format": manifest.format,
@@ -309,8 +313,8 @@ def test_resume_equals_the_run_that_never_stopped(
         assert result["lrs"][0] == result["lrs"][1] == [0.0025, 0.0025, 0.00125]
         assert result["extra"] == {"step": 3, "note": "three steps"}
         assert result["format"] == expected_format.get(kind, "deepspeed")
-        assert "rng/rank_0.pt" in result["files"]
-        assert "rng/rank_1.pt" in result["files"]
+        assert "rng/rank_0.json" in result["files"]
+        assert "rng/rank_1.json" in result["files"]
 
 
 def test_amp_scaler_state_round_trips(comm_pools: Any, tmp_path: Path) -> None:
@@ -913,3 +917,49 @@ def test_deepspeeds_own_folder_restores_the_engines_optimizer(
     for saved, moved, restored in results:
         assert moved != saved  # three more steps changed the moments
         assert restored == saved
+
+
+def test_the_rng_file_is_json_and_a_version_1_torch_file_still_loads(tmp_path: Path) -> None:
+    """Each rank's generators are saved as JSON (layout version 2); a folder of layout
+    version 1 (``rng/rank_N.pt``, torch's format) restores the same generators."""
+    from comm_strategies.checkpoint._files import read_rng_file
+
+    model = torch.nn.Linear(2, 1)
+    random.seed(5)
+    numpy.random.seed(6)
+    torch.manual_seed(7)
+    folder = save_checkpoint(tmp_path / "ck", model=model, strategy="single")
+    expected = (random.random(), numpy.random.rand(2).tolist(), torch.rand(2).tolist())
+    manifest = read_manifest(folder)
+    assert manifest.format_version == 2
+    assert "rng/rank_0.json" in manifest.files
+    saved = read_rng_file(folder, 0)
+    assert sorted(saved) == ["numpy", "python", "torch"]
+    assert len(saved["python"]["state"]) == 625  # Mersenne Twister: 624 words and a position
+
+    for version_1 in (False, True):
+        if version_1:  # the same states in the torch file a version-1 save wrote
+            legacy = {
+                "python": {"version": 3, "state": torch.tensor(saved["python"]["state"])},
+                "torch": torch.frombuffer(
+                    bytearray(base64.b64decode(saved["torch"])), dtype=torch.uint8
+                ),
+                "numpy": dict(saved["numpy"], keys=torch.tensor(saved["numpy"]["keys"])),
+            }
+            (folder / "rng" / "rank_0.json").unlink()
+            torch.save(legacy, folder / "rng" / "rank_0.pt")
+        random.seed(0)
+        numpy.random.seed(0)
+        torch.manual_seed(0)
+        load_checkpoint(folder, model=torch.nn.Linear(2, 1))
+        got = (random.random(), numpy.random.rand(2).tolist(), torch.rand(2).tolist())
+        assert got == expected, (version_1, got, expected)
+
+
+def test_a_damaged_rng_file_names_itself_and_the_way_out(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path / "ck", model=torch.nn.Linear(2, 1), strategy="single")
+    (folder / "rng" / "rank_0.json").write_text('{"python": ')
+    with pytest.raises(CheckpointError, match=r"rank_0\.json is truncated or corrupt") as info:
+        load_checkpoint(folder, model=torch.nn.Linear(2, 1))
+    assert "load_rng=False" in str(info.value)
+    load_checkpoint(folder, model=torch.nn.Linear(2, 1), load_rng=False)  # the way out

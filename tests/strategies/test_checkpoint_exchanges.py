@@ -163,25 +163,25 @@ def test_a_dcp_save_makes_three_exchanges_with_or_without_timeout(
 def small_files_fail_on_one_rank(root: str, failing: int) -> dict[str, Any]:
     """Rank ``failing`` cannot capture its RNG state (a dcp save, no timeout=): every rank
     must raise at once naming it; nothing is left; then a save and a load work."""
-    from comm_strategies.checkpoint import _rng
+    from comm_strategies.checkpoint import _files
     from tests.strategies.ckpt_models import build, train_step
 
     out: dict[str, Any] = {}
     model, optim = build("fsdp2")
     train_step(model, optim, 0)
-    capture = _rng.capture
+    capture = _files.capture_rng
     if dist.get_rank() == failing:
 
         def broken() -> dict[str, Any]:
             raise RuntimeError("no generator here")
 
-        _rng.capture = broken
+        _files.capture_rng = broken
     start = time.monotonic()
     out["failed"] = caught(
         save_checkpoint, f"{root}/broken", model=model, optim_wrapper=optim, strategy="fsdp2"
     )
     out["took"] = time.monotonic() - start
-    _rng.capture = capture
+    _files.capture_rng = capture
     dist.barrier()  # rank 0's clean-up is done before the folder is listed
     out["left"] = sorted(p.name for p in Path(root).iterdir())
     dist.barrier()  # every rank has listed before rank 0 makes the next save's folder
@@ -223,7 +223,7 @@ def rng_file_unreadable_on_one_rank(root: str) -> dict[str, Any]:
     whole = save_checkpoint(f"{root}/whole", model=model, optim_wrapper=optim, strategy="ddp")
     dist.barrier()
     if dist.get_rank() == 1:
-        rng_file = damaged / "rng" / "rank_1.pt"
+        rng_file = damaged / "rng" / "rank_1.json"
         data = rng_file.read_bytes()
         rng_file.write_bytes(data[: len(data) // 2])
     dist.barrier()
@@ -250,7 +250,7 @@ def test_an_unreadable_rng_file_fails_every_rank_before_anything_loads(
         name, message = result["damaged"]
         assert name == "CheckpointError", message
         assert "RNG state" in message, message
-        assert "rank_1.pt is truncated or corrupt" in message, message
+        assert "rank_1.json is truncated or corrupt" in message, message
         if rank == 0:  # rank 1 raises its own error, the others one naming it
             assert "load_checkpoint failed on 1 rank(s): rank 1: CheckpointError" in message
         assert result["took"] < 10.0, result["took"]

@@ -80,24 +80,24 @@ def test_a_failed_publish_raises_on_every_rank_and_leaves_nothing(
     assert "disk full" in message, message
     for result in (first, second):
         assert result["left"] == [], result["left"]  # no checkpoint, no temporary folder
-        assert "rng/rank_0.pt" in result["files"]
-        assert "rng/rank_1.pt" in result["files"]
+        assert "rng/rank_0.json" in result["files"]
+        assert "rng/rank_1.json" in result["files"]
         assert "dcp/.metadata" in result["files"]
 
 
 def small_file_fails_on_rank_1(root: str) -> dict[str, Any]:
     """Rank 1 cannot take its RNG state: every rank raises at the commit; nothing is left."""
-    from comm_strategies.checkpoint import _rng
+    from comm_strategies.checkpoint import _files
 
     model, optim = build("fsdp2")
     train_steps(model, optim, range(1))
-    capture = _rng.capture
+    capture = _files.capture_rng
     if dist.get_rank() == 1:
 
         def broken() -> dict[str, Any]:
             raise RuntimeError("generator state unavailable")
 
-        _rng.capture = broken
+        _files.capture_rng = broken
     start = time.monotonic()
     try:
         out: dict[str, Any] = {
@@ -111,7 +111,7 @@ def small_file_fails_on_rank_1(root: str) -> dict[str, Any]:
             )
         }
     finally:
-        _rng.capture = capture
+        _files.capture_rng = capture
     out["took"] = time.monotonic() - start
     out["left"] = _listed(root)
     save_checkpoint(f"{root}/good", model=model, optim_wrapper=optim, strategy="fsdp2")

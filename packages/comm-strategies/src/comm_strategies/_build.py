@@ -324,18 +324,22 @@ def optimizers_of(optim_wrapper: Any) -> dict[str, Any]:
     raise TypeError(message)
 
 
-def torch_optimizers(optim_wrapper: Any) -> dict[str, torch.optim.Optimizer]:
-    """The torch optimizers inside ``optim_wrapper``, by the keys of `optimizers_of`."""
+def torch_optimizers(
+    optim_wrapper: Any, *, default_key: str = ""
+) -> dict[str, torch.optim.Optimizer]:
+    """The torch optimizers inside ``optim_wrapper``, by the keys of `optimizers_of` (the
+    one optimizer of a plain wrapper, key ``""`` there, under ``default_key``)."""
     return {
-        key: each if isinstance(each, torch.optim.Optimizer) else each.optimizer
+        key or default_key: each if isinstance(each, torch.optim.Optimizer) else each.optimizer
         for key, each in optimizers_of(optim_wrapper).items()
     }
 
 
-def scalers_of(optim_wrapper: Any) -> dict[str, Any]:
-    """The gradient scalers of the wrappers that have one (``AmpOptimWrapper``), by key."""
+def scalers_of(optim_wrapper: Any, *, default_key: str = "") -> dict[str, Any]:
+    """The gradient scalers of the wrappers that have one (``AmpOptimWrapper``), by key
+    (as `torch_optimizers`)."""
     return {
-        key: scaler
+        key or default_key: scaler
         for key, each in optimizers_of(optim_wrapper).items()
         if (scaler := getattr(each, "loss_scaler", None)) is not None
     }

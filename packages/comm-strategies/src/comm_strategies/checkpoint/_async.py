@@ -36,7 +36,7 @@ from comm_wrappers.backends import Backend, describe_params, quiet_torch
 
 from ._consensus import WRITE_TIMEOUT_S, Attempts, Call, where
 from ._errors import CheckpointError
-from ._files import save_tensor_file
+from ._files import save_small_file, save_tensor_file
 from ._format_common import Optimizers
 from ._format_dcp import sharded_state, write_dcp
 from ._layout import DCP_FOLDER, MODEL_FILE, OPTIM_FILE
@@ -299,7 +299,7 @@ def _run(
                         save_tensor_file(staged[key], folder / name)
         for what, value, file in files:
             with attempts.keep(what):
-                save_tensor_file(value, file)
+                save_small_file(value, file)
         del staged, files  # the copy's memory goes back before the commit's wait
         commit(call, attempts.error, publish, background=True)
         handle._end(None)

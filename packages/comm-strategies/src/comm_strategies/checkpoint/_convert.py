@@ -26,6 +26,7 @@ from ._convert_progress import save_with_progress as save_with_progress
 from ._convert_source import Source as Source
 from ._convert_source import full_model_state_of as full_model_state_of
 from ._convert_source import read_source as read_source
+from ._files import rng_file
 from ._layout import (
     DCP_FOLDER,
     EXTRA_FILE,
@@ -186,7 +187,9 @@ def _copy_side_files(read: Source, folder: Path) -> dict[str, Any]:
             _copy_private(source / name, folder / name)
     rng_ranks = []
     for rank in manifest.rng_ranks:
-        file = source / RNG_FOLDER / f"rank_{rank}.pt"
+        file = rng_file(source, rank)
+        if not file.is_file():  # layout version 1
+            file = file.with_suffix(".pt")
         if file.is_file():
             (folder / RNG_FOLDER).mkdir(mode=0o700, exist_ok=True)
             _copy_private(file, folder / RNG_FOLDER / file.name)

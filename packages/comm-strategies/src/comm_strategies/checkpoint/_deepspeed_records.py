@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from ._errors import CheckpointError
-from ._files import UNSAFE_HINT, _first_line, _weights_only_detail
-from ._rng import numpy_safe_globals
+from ._files import UNSAFE_HINT, _first_line, _weights_only_detail, numpy_safe_globals
 
 # The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins:
 # plain records, rebuilt from their fields (no code of their own runs).

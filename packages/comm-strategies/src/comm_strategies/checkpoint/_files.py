@@ -1,10 +1,13 @@
-"""Writing and reading the checkpoint's files: private, atomic, safe to load."""
+"""Writing and reading the checkpoint's files: private, atomic, safe to load; among them
+each rank's random generator states (``rng/rank_N.json``)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pickle
+import random
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -12,7 +15,7 @@ from typing import Any
 import torch
 
 from ._errors import CheckpointError
-from ._rng import numpy_safe_globals
+from ._layout import RNG_FOLDER
 
 
 def fsync_enabled() -> bool:
@@ -45,17 +48,157 @@ def save_tensor_file(obj: Any, path: Path) -> None:
     os.replace(partial, path)
 
 
-def write_json(obj: Any, path: Path) -> None:
-    """Write JSON to a private file, through a temporary name and a rename."""
+def write_json(obj: Any, path: Path, *, compact: bool = False) -> None:
+    """Write JSON to a private file, through a temporary name and a rename (its folder
+    created, private, when missing); ``compact``: on one line, keys unsorted."""
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    text = json.dumps(obj) if compact else json.dumps(obj, indent=1, sort_keys=True)
     partial = path.with_name(path.name + ".partial")
     descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(descriptor, "w") as handle:
-        json.dump(obj, handle, indent=1, sort_keys=True)
-        handle.write("\n")
+        handle.write(text + "\n")
         handle.flush()
         if fsync_enabled():
             os.fsync(handle.fileno())
     os.replace(partial, path)
+
+
+def save_small_file(obj: Any, path: Path) -> None:
+    """A small file of a checkpoint: JSON (compact) for a ``.json`` name, else
+    ``torch.save``; private, through a temporary name and a rename."""
+    if path.suffix == ".json":
+        write_json(obj, path, compact=True)
+    else:
+        save_tensor_file(obj, path)
+
+
+def rng_file(folder: Path, rank: int) -> Path:
+    """Where ``rank``'s generator states are in a checkpoint folder."""
+    return folder / RNG_FOLDER / f"rank_{rank}.json"
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python's, NumPy's (if installed), torch's CPU and every CUDA device's generator
+    states, as JSON values: the states' numbers as lists, torch's bytes in base64."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "torch": _encode(torch.get_rng_state()),
+    }
+    numpy = _numpy()
+    if numpy is not None:
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = {
+            "kind": str(kind),
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = [_encode(device) for device in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the generators from a `capture_rng` result (NumPy's and CUDA's when present
+    here), or from the torch file of layout version 1 (`read_rng_file` reads both)."""
+    python = state["python"]
+    internal = python["state"]  # a tensor in layout version 1
+    internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+    random.setstate((python["version"], tuple(internal), python.get("gauss")))
+    torch.set_rng_state(_decode(state["torch"]))
+    numpy = _numpy()
+    if numpy is not None and "numpy" in state:
+        saved = state["numpy"]
+        keys = saved["keys"]
+        keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+        numpy.random.set_state(
+            (
+                saved["kind"],
+                numpy.asarray(keys, dtype="uint32"),
+                saved["pos"],
+                saved["has_gauss"],
+                saved["cached_gaussian"],
+            )
+        )
+    if "cuda" in state and torch.cuda.is_available():
+        states = state["cuda"][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([_decode(device) for device in states])
+
+
+def read_rng_file(folder: Path, rank: int, *, allow_unsafe_pickle: bool = False) -> dict[str, Any]:
+    """``rank``'s generator states in a checkpoint folder: ``rng/rank_N.json``, or the
+    ``rng/rank_N.pt`` torch file of layout version 1.
+
+    Raises:
+        CheckpointError: The file is missing, truncated or corrupt.
+    """
+    path = rng_file(folder, rank)
+    if not path.is_file() and path.with_suffix(".pt").is_file():
+        loaded = load_tensor_file(
+            path.with_suffix(".pt"), allow_unsafe_pickle=allow_unsafe_pickle, what="RNG state"
+        )
+        return dict(loaded)
+    try:
+        state = json.loads(path.read_bytes())
+        if not isinstance(state, dict) or "python" not in state or "torch" not in state:
+            raise ValueError("no 'python' and 'torch' states in it")
+    except FileNotFoundError:
+        message = f"RNG state {path} does not exist"
+        raise CheckpointError(message) from None
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeError are ValueErrors
+        message = (
+            f"RNG state {path} is truncated or corrupt ({_first_line(error)}). Load an "
+            "earlier checkpoint, or pass load_rng=False to keep this rank's generators."
+        )
+        raise CheckpointError(message) from error
+    return state
+
+
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _decode(state: str | torch.Tensor) -> torch.Tensor:
+    if isinstance(state, torch.Tensor):  # layout version 1
+        return state
+    return torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8)
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def numpy_safe_globals() -> list[Any]:
+    """NumPy's scalar, array and dtype constructors, for ``weights_only`` loading.
+
+    User state often holds NumPy numbers (MMEngine's runtime info, logged metrics). These
+    constructors rebuild values from bytes and a dtype, and run no other code, which is why
+    torch's documentation suggests allowing them.
+    """
+    numpy = _numpy()
+    if numpy is None:
+        return []
+    core = getattr(numpy, "_core", None) or numpy.core
+    allowed: list[Any] = [
+        core.multiarray.scalar,
+        core.multiarray._reconstruct,
+        numpy.ndarray,
+        numpy.dtype,
+    ]
+    dtypes = getattr(numpy, "dtypes", None)
+    if dtypes is not None:
+        allowed += [
+            value
+            for value in vars(dtypes).values()
+            if isinstance(value, type) and issubclass(value, numpy.dtype)
+        ]
+    return allowed
 
 
 def load_tensor_file(

@@ -22,17 +22,16 @@ from torch import nn
 import comm_collectives as dist
 from comm_wrappers.backends import Backend, backend_of
 
-from .._build import scalers_of
-from . import _async, _publish, _rng
+from .._build import scalers_of, torch_optimizers
+from . import _async, _publish
 from . import _deepspeed_files as ds_files
 from ._consensus import Call
 from ._errors import CheckpointError
-from ._files import load_tensor_file
+from ._files import load_tensor_file, read_rng_file, restore_rng
 from ._format_common import LoadRequest, load_full_model
 from ._formats import FORMATS, load_native_folder
-from ._layout import DEFAULT_KEY, EXTRA_FILE, RNG_FOLDER, SCALER_FILE, SCHEDULERS_FILE
+from ._layout import DEFAULT_KEY, EXTRA_FILE, SCALER_FILE, SCHEDULERS_FILE
 from ._manifest import MANIFEST_NAME, Manifest, read_manifest
-from ._state import named_optimizers
 
 
 def load_checkpoint(
@@ -82,7 +81,7 @@ def load_checkpoint(
     _async.wait_previous()  # a checkpoint still being written by an async save
     backend = backend_of(model)
     # before the call takes its number: a rank that raises here takes none
-    optimizers = named_optimizers(optim_wrapper) if load_optimizer else {}
+    optimizers = torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY) if load_optimizer else {}
     call = Call("load_checkpoint", timeout)
     source = Path(path).absolute()
     # What this rank finds at the path (its manifest, its RNG state) first; the entry
@@ -98,7 +97,7 @@ def load_checkpoint(
         error = caught
     call.share("loaded", error)
     if found.rng is not None:  # read before the entry, set once every rank loaded the rest
-        _rng.restore(found.rng)
+        restore_rng(found.rng)
     return extra
 
 
@@ -246,7 +245,7 @@ def _load_deepspeed_folder(
 
 def _load_scalers(source: Path, optim_wrapper: Any, unsafe: bool) -> None:
     states = load_tensor_file(source / SCALER_FILE, allow_unsafe_pickle=unsafe, what="scaler state")
-    scalers = {DEFAULT_KEY if k == "" else k: v for k, v in scalers_of(optim_wrapper).items()}
+    scalers = scalers_of(optim_wrapper, default_key=DEFAULT_KEY)
     for key, scaler in scalers.items():
         if key in states:
             scaler.load_state_dict(dict(states[key]))
@@ -281,10 +280,7 @@ def _read_rng(source: Path, manifest: Manifest, unsafe: bool) -> dict[str, Any] 
             stacklevel=4,
         )
         return None
-    state = load_tensor_file(
-        source / RNG_FOLDER / f"rank_{me}.pt", allow_unsafe_pickle=unsafe, what="RNG state"
-    )
-    return dict(state)
+    return read_rng_file(source, me, allow_unsafe_pickle=unsafe)
 
 
 def find_latest(work_dir: str | os.PathLike[str]) -> Path | None:

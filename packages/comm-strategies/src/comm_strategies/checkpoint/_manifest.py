@@ -19,7 +19,8 @@ from ._files import write_json
 from ._layout import DEFAULT_KEY
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+# 2: each rank's RNG states in rng/rank_N.json (1: rng/rank_N.pt, still read)
+FORMAT_VERSION = 2
 FORMATS = ("full", "dcp", "deepspeed")
 
 
@@ -28,7 +29,8 @@ class Manifest:
     """What a checkpoint folder holds, from its ``manifest.json``.
 
     Attributes:
-        format_version: Version of this layout (1).
+        format_version: Version of this layout (2; version 1 kept the RNG states in
+            torch files, which are still read).
         strategy: The strategy's short name at save time (``"single"``, ``"ddp"``,
             ``"fsdp"``, ``"fsdp2"``, ``"deepspeed"``, or what the caller gave).
         wrapper: The model's kind: ``"module"``, ``"ddp"``, ``"fsdp1"``, ``"fsdp2"`` or

@@ -27,7 +27,7 @@ import comm_collectives as dist
 
 from ._errors import CheckpointError
 from ._files import fsync_enabled
-from ._manifest import MANIFEST_NAME, read_manifest, write_manifest
+from ._manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 
 
 def temporary_name(final: Path) -> Path:
@@ -105,8 +105,9 @@ def _replaceable(final: Path) -> str:
         return f"found a file at {final}, not a checkpoint folder; pass another path or remove it"
     if not any(final.iterdir()):
         return "ok"
-    if _is_checkpoint(final):
-        foreign = not_ours(final)
+    manifest = _our_manifest(final)
+    if manifest is not None:
+        foreign = not_ours(final, manifest)
         if not foreign:
             return "ok"
         shown = ", ".join(foreign[:5]) + (
@@ -124,26 +125,26 @@ def _replaceable(final: Path) -> str:
     )
 
 
-def _is_checkpoint(folder: Path) -> bool:
-    """Whether ``folder`` holds a manifest this package wrote (``manifest.json`` alone is a
-    common name: a web app's or a data set's folder may hold one)."""
+def _our_manifest(folder: Path) -> Manifest | None:
+    """The manifest of ``folder`` when this package wrote it, else None (``manifest.json``
+    alone is a common name: a web app's or a data set's folder may hold one)."""
     try:
         manifest = read_manifest(folder)
     except CheckpointError:  # none, damaged, or another program's
-        return False
-    return "comm-strategies" in manifest.versions
+        return None
+    return manifest if "comm-strategies" in manifest.versions else None
 
 
-def not_ours(folder: Path) -> list[str]:
+def not_ours(folder: Path, manifest: Manifest | None = None) -> list[str]:
     """What a checkpoint folder holds that its manifest does not list (a user's notes, an
     evaluation's output): what replacing or removing the folder would destroy.
 
     Files, and also what is not a file: a symbolic link of any kind (to a file, to a
     folder, dangling; never followed) and an empty folder that holds none of the listed
     files, each by its path inside ``folder`` (``"name/"`` for a folder, ``"name@"`` for
-    a link).
+    a link). ``manifest``: the folder's, when the caller read it already.
     """
-    listed = set(read_manifest(folder).files) | {MANIFEST_NAME}
+    listed = set((manifest or read_manifest(folder)).files) | {MANIFEST_NAME}
     parents = {str(Path(name).parent) for name in listed}
     parents |= {str(p) for name in listed for p in Path(name).parents}
     foreign = []

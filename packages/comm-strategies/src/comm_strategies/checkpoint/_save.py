@@ -25,16 +25,15 @@ from torch import nn
 import comm_collectives as dist
 from comm_wrappers.backends import Backend, backend_of
 
-from .._build import scalers_of
-from . import _async, _publish, _rng
+from .._build import scalers_of, torch_optimizers
+from . import _async, _files, _publish
 from ._async import SaveHandle, SmallFile
 from ._consensus import Attempts, Call, label
 from ._errors import CheckpointError
-from ._files import save_tensor_file
 from ._formats import FORMATS
-from ._layout import DEFAULT_KEY, EXTRA_FILE, RNG_FOLDER, SCALER_FILE, SCHEDULERS_FILE
+from ._layout import DEFAULT_KEY, EXTRA_FILE, SCALER_FILE, SCHEDULERS_FILE
 from ._publish import Publication
-from ._state import named_optimizers, refuse_unportable
+from ._state import refuse_unportable
 
 
 @overload
@@ -158,7 +157,7 @@ def save_checkpoint(
     _async.wait_previous()
     backend = backend_of(model)
     fmt = backend.format_for(sharded)
-    optimizers = named_optimizers(optim_wrapper)
+    optimizers = torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY)
     if fmt == "full" and optimizers:
         refuse_unportable(backend, "save_checkpoint(sharded=False)")
     call = Call("save_checkpoint", timeout)
@@ -184,7 +183,7 @@ def save_checkpoint(
         publish.params = FORMATS[fmt].write(backend, optimizers, publish.temporary, attempts)
     for what, value, file in _small_files(attempts, publish, optim_wrapper, schedulers, extra):
         with attempts.keep(what):
-            save_tensor_file(value, file)
+            _files.save_small_file(value, file)
     commit(call, attempts.error, publish)
     return _async.finished(final) if async_save else final
 
@@ -227,33 +226,37 @@ def _small_files(
     """This rank's small files, their states taken now (``copied``: copies with tensors on
     the CPU, for a write after training went on): its RNG state; on rank 0 the schedulers,
     the grad scalers and the user state. Notes in ``publish`` whether a scaler is saved."""
-    me = dist.get_rank()
-    wanted: list[tuple[str, Callable[[], Any], str]] = [
-        ("RNG state", _rng.capture, f"{RNG_FOLDER}/rank_{me}.pt")
+    me, folder = dist.get_rank(), publish.temporary
+    wanted: list[tuple[str, Callable[[], Any], Path]] = [
+        ("RNG state", _files.capture_rng, _files.rng_file(folder, me))
     ]
     scalers: dict[str, Any] = {}
     with attempts.keep("the grad scalers"):
-        scalers = scalers_of(optim_wrapper)
+        scalers = scalers_of(optim_wrapper, default_key=DEFAULT_KEY)
     publish.has_scaler = bool(scalers)
     if me == 0 and schedulers:
         wanted.append(
-            ("the schedulers", lambda: [s.state_dict() for s in schedulers], SCHEDULERS_FILE)
+            (
+                "the schedulers",
+                lambda: [s.state_dict() for s in schedulers],
+                folder / SCHEDULERS_FILE,
+            )
         )
     if me == 0 and scalers:
         wanted.append(
             (
                 "the grad scaler",
-                lambda: {DEFAULT_KEY if k == "" else k: s.state_dict() for k, s in scalers.items()},
-                SCALER_FILE,
+                lambda: {key: scaler.state_dict() for key, scaler in scalers.items()},
+                folder / SCALER_FILE,
             )
         )
     if me == 0 and extra:
-        wanted.append(("the user state (extra)", lambda: dict(extra), EXTRA_FILE))
+        wanted.append(("the user state (extra)", lambda: dict(extra), folder / EXTRA_FILE))
     files: list[SmallFile] = []
     for what, produce, name in wanted:
         with attempts.keep(what):
             state = produce()
-            files.append((what, _snapshot(state) if copied else state, publish.temporary / name))
+            files.append((what, _snapshot(state) if copied else state, name))
     return files
 
 

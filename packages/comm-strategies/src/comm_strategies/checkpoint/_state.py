@@ -17,12 +17,6 @@ from ._layout import DEFAULT_KEY
 from ._params import fit_optimizer_state
 
 
-def named_optimizers(optim_wrapper: Any) -> dict[str, torch.optim.Optimizer]:
-    """The torch optimizers of ``optim_wrapper`` under their checkpoint keys."""
-    optimizers = torch_optimizers(optim_wrapper)
-    return {DEFAULT_KEY if key == "" else key: value for key, value in optimizers.items()}
-
-
 def refuse_unportable(backend: Backend, what: str) -> None:
     """Raise when the backend's optimizer state has no per-parameter full form."""
     why = backend.optimizer_not_portable()
@@ -75,7 +69,7 @@ def full_optim_state_dict(model: nn.Module, optim_wrapper: Any) -> dict[str, Any
     refuse_unportable(backend, "full_optim_state_dict")
     states = {
         key: backend.optim_state(optimizer, full=True)
-        for key, optimizer in named_optimizers(optim_wrapper).items()
+        for key, optimizer in torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY).items()
     }
     if list(states) == [DEFAULT_KEY]:
         state: dict[str, Any] = states[DEFAULT_KEY]
@@ -133,7 +127,7 @@ def load_full_optim_state_dict(
     """
     backend = backend_of(model)
     refuse_unportable(backend, "load_full_optim_state_dict")
-    optimizers = named_optimizers(optim_wrapper)
+    optimizers = torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY)
     states = {DEFAULT_KEY: state_dict} if list(optimizers) == [DEFAULT_KEY] else state_dict
     if sorted(states) != sorted(optimizers):
         message = (
