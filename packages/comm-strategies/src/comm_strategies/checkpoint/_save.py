@@ -227,9 +227,10 @@ def _small_files(
     the CPU, for a write after training went on): its RNG state; on rank 0 the schedulers,
     the grad scalers and the user state. Notes in ``publish`` whether a scaler is saved."""
     me, folder = dist.get_rank(), publish.temporary
-    wanted: list[tuple[str, Callable[[], Any], Path]] = [
-        ("RNG state", _files.capture_rng, _files.rng_file(folder, me))
-    ]
+    files: list[SmallFile] = []
+    with attempts.keep("RNG state"):  # new JSON values: nothing to copy
+        files.append(("RNG state", _files.capture_rng(), _files.rng_file(folder, me)))
+    wanted: list[tuple[str, Callable[[], Any], Path]] = []
     scalers: dict[str, Any] = {}
     with attempts.keep("the grad scalers"):
         scalers = scalers_of(optim_wrapper, default_key=DEFAULT_KEY)
@@ -252,7 +253,6 @@ def _small_files(
         )
     if me == 0 and extra:
         wanted.append(("the user state (extra)", lambda: dict(extra), folder / EXTRA_FILE))
-    files: list[SmallFile] = []
     for what, produce, name in wanted:
         with attempts.keep(what):
             state = produce()
