@@ -211,7 +211,7 @@ def install(recorder: Recorder, backend_class: type) -> None:
     recorder.wrap(_format_dcp, "write_dcp", "write_dcp")
     recorder.wrap(_save, "_small_files", "_small_files")
     recorder.wrap(_files, "capture_rng", "capture")
-    recorder.wrap(_files, "save_small_file", "save_small_file")
+    recorder.wrap(_files, "save_file", "save_file")
     recorder.wrap(_save, "commit", "commit")
     recorder.wrap(_publish, "publish", "publish")
     recorder.wrap(_publish, "write_manifest", "write_manifest")
@@ -441,7 +441,7 @@ def _minus(sample: Sample, key: str, whole: str, parts: list[str]) -> None:
 
 
 SAVE_TOP = ["backend_of", "torch_optimizers", "_enter", "DcpFormat.write", "_small_files"]
-SAVE_TOP += ["save_small_file", "commit"]
+SAVE_TOP += ["save_file", "commit"]
 SAVE_TORCH = ["sharded_state", "write_dcp"]
 LOAD_TOP = ["backend_of", "torch_optimizers", "_find", "Call.enter", "_read"]
 LOAD_TOP += ["Call.share loaded", "restore"]
@@ -518,7 +518,7 @@ SAVE_ROWS = [
     ("the format's write, less its parts (`DcpFormat.write`)", "write glue"),
     ("small files, states taken (`_small_files`)", "_small_files"),
     ("· `_files.capture_rng`", "capture"),
-    ("small files written (`save_small_file`: RNG)", "save_small_file"),
+    ("small files written (`save_file`: RNG)", "save_file"),
     ("commit (`_save.commit`)", "commit"),
     ("· exchange `written` (`Call.share`)", "Call.share written"),
     ("· rank 0: publish (`_publish.publish`)", "publish"),

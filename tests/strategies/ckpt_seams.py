@@ -6,7 +6,7 @@ step by one that runs ``action`` first (to record, hold, sleep or kill the proce
 - ``"entering"``: before the entry (`_save._enter`, every rank);
 - ``"entered"``: after the entry, before the write (`_save._enter`, every rank);
 - ``"writing"``: in an async save's background thread, before each file it writes
-  itself, after DCP's (`_async.save_tensor_file`, every rank: its RNG state at least);
+  itself, after DCP's (`_async.save_file`, every rank: its RNG state at least);
 - ``"written"``: once this rank's files are written, before the commit (`_save.commit`,
   every rank; in the background thread for an async save);
 - ``"manifest"``: rank 0 only, the manifest written, before the rename
@@ -24,7 +24,7 @@ from comm_strategies.checkpoint import _async, _publish, _save
 _PLACES: dict[str, tuple[Any, str]] = {
     "entering": (_save, "_enter"),
     "entered": (_save, "_enter"),
-    "writing": (_async, "save_tensor_file"),
+    "writing": (_async, "save_file"),
     "written": (_save, "commit"),
     "manifest": (_publish, "finish"),
 }

@@ -86,14 +86,14 @@ def _arm(kill: str, out: Path, rank: int, victim: int | None) -> tuple[str, int]
 
         _publish.finish = finish  # type: ignore[assignment]
     elif where == "async":
-        write = _async.save_tensor_file
+        write = _async.save_file
 
         def writing(value: Any, file: Path) -> None:
             if any(part.startswith(f".step_{step}.tmp-") for part in file.parts):
                 _die(out, where)
             write(value, file)
 
-        _async.save_tensor_file = writing
+        _async.save_file = writing
     elif where == "retention":
         hide = _publish._delete_later
 

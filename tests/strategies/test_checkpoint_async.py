@@ -179,9 +179,9 @@ def async_failure_on_one_rank(root: str, where: str) -> dict[str, Any]:
             message = "disk full (injected on rank 1)"
             raise OSError(message)
 
-        monkeypatched = _async.save_tensor_file
-        _async.save_tensor_file = fail  # type: ignore[assignment]
-        _undo.append(lambda: setattr(_async, "save_tensor_file", monkeypatched))
+        monkeypatched = _async.save_file
+        _async.save_file = fail  # type: ignore[assignment]
+        _undo.append(lambda: setattr(_async, "save_file", monkeypatched))
     if where == "rank 0":
         extra["callback"] = lambda: None
     try:

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from comm_wrappers.backends import Backend, backend_of
+
 from . import checkpoint
 
 __all__ = ["CheckpointMixin"]
@@ -26,6 +28,14 @@ class CheckpointMixin:
     param_schedulers: list[Any]
     _work_dir: Path | None
     _prepared: bool
+
+    def _model_backend(self) -> Backend:
+        """The prepared model's backend adapter, decided once per model, not at every save
+        and load."""
+        backend: Backend | None = self.__dict__.get("_backend")
+        if backend is None or backend.model is not self.model:
+            backend = self.__dict__["_backend"] = backend_of(self.model)
+        return backend
 
     def _require_prepared(self, what: str) -> None:
         if not self._prepared:
@@ -104,7 +114,7 @@ class CheckpointMixin:
         self, save_optimizer: bool, save_param_scheduler: bool, extra: Mapping[str, Any] | None
     ) -> dict[str, Any]:
         return {
-            "model": self.model,
+            "model": self._model_backend(),
             "optim_wrapper": self.optim_wrapper if save_optimizer else None,
             "schedulers": self.param_schedulers if save_param_scheduler else (),
             "strategy": self.name,
@@ -199,7 +209,7 @@ class CheckpointMixin:
 
     def _load(self, source: Path, **options: Any) -> dict[str, Any]:
         """`load_checkpoint` of the checkpoint package into the prepared model."""
-        return dict(checkpoint.load_checkpoint(source, model=self.model, **options))
+        return dict(checkpoint.load_checkpoint(source, model=self._model_backend(), **options))
 
     def model_state_dict(self) -> dict[str, Any]:
         """The full, unprefixed model state on the CPU, on every rank (collective)."""

@@ -30,7 +30,7 @@ from ._build import (
     trainable_names,
 )
 from ._checkpointing import CheckpointMixin
-from .checkpoint import _async as checkpoint_async
+from .checkpoint import _consensus as checkpoint_calls
 
 __all__ = ["Strategy"]
 
@@ -211,7 +211,7 @@ class Strategy(CheckpointMixin):
         (its destructor joins the thread while holding the lock). An async save still
         running is waited for before (its ranks agree through the group's store).
         """
-        checkpoint_async.wait_previous()
+        checkpoint_calls.wait_previous()
         if self._owns_group:
             dist.barrier()
             time.sleep(0.05)

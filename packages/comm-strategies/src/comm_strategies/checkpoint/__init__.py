@@ -4,7 +4,7 @@ A checkpoint is a folder: ``manifest.json`` (written last: strategy, world size,
 ZeRO stage or FSDP sharding, parameter names, shapes and dtypes, versions), the model
 and optimizer state (``model.pt``/``optim.pt`` full, ``dcp/`` sharded with torch
 distributed checkpoint, or ``deepspeed/`` with DeepSpeed's own files), ``schedulers.pt``,
-``scaler.pt``, ``extra.pt`` (user state) and ``rng/rank_R.pt``. Our files load with
+``scaler.pt``, ``extra.pt`` (user state) and ``rng/rank_R.json``. Our files load with
 ``torch.load(weights_only=True)``.
 
 Examples:
@@ -19,7 +19,7 @@ Examples:
     {'step': 5}
 """
 
-from ._async import SaveHandle
+from ._consensus import SaveHandle
 from ._convert import convert_checkpoint
 from ._errors import CheckpointError
 from ._load import find_latest, load_checkpoint

@@ -8,7 +8,7 @@ is returned. On the background thread, while training goes on: the files written
 over a gloo group of its own, created on the calling thread, so the thread never runs a
 collective of the default group), then the commit, whose waits poll the store
 (``background=True``). A failure on any rank fails the save on every rank at ``wait()``.
-A second save or a load first waits for this one (`wait_previous`). A killed process
+The next checkpoint call waits for this one first (`Call`). A killed process
 leaves its temporary folder (removed by the next save) and the previous checkpoint whole.
 The interpreter waits for a pending save at exit (the thread is not a daemon); call
 ``wait()`` before destroying the process group.
@@ -17,7 +17,6 @@ The interpreter waits for a pending save at exit (the thread is not a daemon); c
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -34,123 +33,21 @@ from torch.distributed.checkpoint.staging import (
 import comm_collectives as dist
 from comm_wrappers.backends import Backend, describe_params, quiet_torch
 
-from ._consensus import WRITE_TIMEOUT_S, Attempts, Call, where
+from ._consensus import WRITE_TIMEOUT_S, Attempts, Call, SaveHandle, in_background, where
 from ._errors import CheckpointError
-from ._files import save_small_file, save_tensor_file
+from ._files import save_file
 from ._format_common import Optimizers
 from ._format_dcp import sharded_state, write_dcp
 from ._layout import DCP_FOLDER, MODEL_FILE, OPTIM_FILE
 from ._publish import Publication
 
-__all__ = ["SaveHandle", "finished", "start", "wait_previous"]
+__all__ = ["start"]
 
 # The formats written in the background; "deepspeed" (backend.native_checkpoint().save,
 # collective inside) is written synchronously and its handle is returned done.
 ASYNC_FORMATS = ("full", "dcp")
 Commit = Callable[..., None]  # `_save.commit`
 SmallFile = tuple[str, Any, Path]  # what (for messages), the state taken, its file
-
-
-class SaveHandle:
-    """A checkpoint being saved in the background by ``save_checkpoint(async_save=True)``.
-
-    Every rank gets one. ``wait()`` returns the folder once it is published (manifest
-    written, renamed into place), or raises the save's `CheckpointError` on every rank
-    when any rank failed; ``done()`` says whether that point is reached, without waiting.
-
-    Examples:
-        >>> import tempfile, torch
-        >>> from comm_strategies.checkpoint import save_checkpoint
-        >>> handle = save_checkpoint(tempfile.mkdtemp() + "/step_1", model=torch.nn.Linear(2, 1),
-        ...                          strategy="single", async_save=True)
-        >>> handle.wait().name  # training may run between the call and wait()
-        'step_1'
-        >>> handle.done()
-        True
-    """
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._finished = threading.Event()
-        self._error: BaseException | None = None
-        self._observed = False
-
-    @property
-    def path(self) -> Path:
-        """The checkpoint folder (it exists once the save is published)."""
-        return self._path
-
-    def done(self) -> bool:
-        """Whether the save has ended, published or failed (``wait()`` then returns at once)."""
-        return self._finished.is_set()
-
-    def wait(self, timeout: float | None = None) -> Path:
-        """Wait for the save to end; return the checkpoint folder.
-
-        Args:
-            timeout: Seconds to wait at most; None waits until the save ends (the ranks
-                wait for each other's writes at most what is left of the save's
-                ``timeout=``, or without one the larger of ``COMM_CHECKPOINT_TIMEOUT``
-                (300 s) and an hour).
-
-        Returns:
-            The published checkpoint folder.
-
-        Raises:
-            CheckpointError: The save failed on some rank (raised on every rank, naming
-                the ranks and their errors); nothing was published.
-            TimeoutError: The save is still running after ``timeout`` seconds (it goes on;
-                call ``wait()`` again).
-        """
-        if not self._finished.wait(timeout):
-            message = (
-                f"the async save of {self._path} is still running after {timeout:g} s on "
-                f"{where()}; call wait() again"
-            )
-            raise TimeoutError(message)
-        self._observed = True
-        if self._error is not None:
-            raise self._error
-        return self._path
-
-    def _end(self, error: BaseException | None) -> None:
-        self._error = error
-        self._finished.set()
-
-    def __repr__(self) -> str:
-        state = "failed" if self._error is not None else "done" if self.done() else "running"
-        return f"SaveHandle({str(self._path)!r}, {state})"
-
-
-def finished(path: Path) -> SaveHandle:
-    """A handle of a save that already ended (a synchronous one)."""
-    handle = SaveHandle(path)
-    handle._end(None)
-    return handle
-
-
-_pending: SaveHandle | None = None
-
-
-def wait_previous() -> None:
-    """Wait for the async save still running, if any (every save starts with this).
-
-    Its failure was raised on no rank when nobody called its ``wait()``: it is reported
-    as a warning here (on every rank alike: the ranks share the outcome) and not raised,
-    so that the new save, which may succeed, still happens.
-    """
-    global _pending
-    previous = _pending
-    if previous is None:
-        return
-    previous._finished.wait()
-    _pending = None  # only now: its staged copy's memory is free for the next save
-    if previous._error is not None and not previous._observed:
-        message = (
-            f"the previous async save ({previous.path}) failed and nobody called its "
-            f"wait(): {previous._error}"
-        )
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 _stager: DefaultStager | None = None
@@ -161,7 +58,7 @@ def stage(state: Mapping[str, Any]) -> dict[str, Any]:
 
     torch's ``DefaultStager`` (blocking; pinned memory when CUDA is there), which reuses
     the memory of the previous copy of the same tensors: free to reuse once that save
-    ended, which every save waits for first (`wait_previous`). It cannot copy FSDP1's
+    ended, which every call waits for first (`Call`). It cannot copy FSDP1's
     ShardedTensors: a state holding one goes through ``BlockingAsyncStager`` (new memory
     each time).
     """
@@ -228,7 +125,6 @@ def start(
     """Copy the state to the CPU (collective where the format gathers) and start the
     background thread that writes it and the small files already taken, and commits;
     return the save's handle."""
-    global _pending
     staged: dict[str, Any] | None = None
     with attempts.keep("the model and optimizer state"):  # the commit raises it everywhere
         staged, publish.params = _stage_parts(publish.fmt, backend, optimizers, attempts)
@@ -240,7 +136,7 @@ def start(
         name="comm-checkpoint-save",
         daemon=False,
     )
-    _pending = handle
+    in_background(handle)
     thread.start()
     return handle
 
@@ -253,8 +149,7 @@ def _stage_parts(
     staged = None
     if fmt == "dcp":
         state = sharded_state(backend, optimizers)
-        with quiet_torch():  # the global shapes of the shards
-            params = describe_params(state["model"])
+        params = describe_params(state["model"])  # the global shapes of the shards
         with attempts.keep("a CPU copy of the state"):
             staged = stage(state)
         return staged, params
@@ -296,10 +191,10 @@ def _run(
             for key, name in (("model", MODEL_FILE), ("optim", OPTIM_FILE)):
                 if key in staged:
                     with attempts.keep(name):
-                        save_tensor_file(staged[key], folder / name)
+                        save_file(staged[key], folder / name)
         for what, value, file in files:
             with attempts.keep(what):
-                save_small_file(value, file)
+                save_file(value, file)
         del staged, files  # the copy's memory goes back before the commit's wait
         commit(call, attempts.error, publish, background=True)
         handle._end(None)

@@ -22,7 +22,9 @@ import contextlib
 import json
 import math
 import os
+import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -112,6 +114,115 @@ class Attempts:
                 self.error.__cause__ = caught
 
 
+class SaveHandle:
+    """A checkpoint being saved in the background by ``save_checkpoint(async_save=True)``.
+
+    Every rank gets one. ``wait()`` returns the folder once it is published (manifest
+    written, renamed into place), or raises the save's `CheckpointError` on every rank
+    when any rank failed; ``done()`` says whether that point is reached, without waiting.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from comm_strategies.checkpoint import save_checkpoint
+        >>> handle = save_checkpoint(tempfile.mkdtemp() + "/step_1", model=torch.nn.Linear(2, 1),
+        ...                          strategy="single", async_save=True)
+        >>> handle.wait().name  # training may run between the call and wait()
+        'step_1'
+        >>> handle.done()
+        True
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._observed = False
+
+    @property
+    def path(self) -> Path:
+        """The checkpoint folder (it exists once the save is published)."""
+        return self._path
+
+    def done(self) -> bool:
+        """Whether the save has ended, published or failed (``wait()`` then returns at once)."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Wait for the save to end; return the checkpoint folder.
+
+        Args:
+            timeout: Seconds to wait at most; None waits until the save ends (the ranks
+                wait for each other's writes at most what is left of the save's
+                ``timeout=``, or without one the larger of ``COMM_CHECKPOINT_TIMEOUT``
+                (300 s) and an hour).
+
+        Returns:
+            The published checkpoint folder.
+
+        Raises:
+            CheckpointError: The save failed on some rank (raised on every rank, naming
+                the ranks and their errors); nothing was published.
+            TimeoutError: The save is still running after ``timeout`` seconds (it goes on;
+                call ``wait()`` again).
+        """
+        if not self._finished.wait(timeout):
+            message = (
+                f"the async save of {self._path} is still running after {timeout:g} s on "
+                f"{where()}; call wait() again"
+            )
+            raise TimeoutError(message)
+        self._observed = True
+        if self._error is not None:
+            raise self._error
+        return self._path
+
+    def _end(self, error: BaseException | None) -> None:
+        self._error = error
+        self._finished.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self.done() else "running"
+        return f"SaveHandle({str(self._path)!r}, {state})"
+
+
+def finished(path: Path) -> SaveHandle:
+    """A handle of a save that already ended (a synchronous one)."""
+    handle = SaveHandle(path)
+    handle._end(None)
+    return handle
+
+
+_background: SaveHandle | None = None  # the save whose commit runs in a thread
+
+
+def in_background(handle: SaveHandle) -> None:
+    """Note the async save whose files and commit a thread now writes (`_async.start`)."""
+    global _background
+    _background = handle
+
+
+def wait_previous() -> None:
+    """Wait for the async save still running, if any: every `Call` starts with this (the
+    calls of a rank are made one after the other, a save's commit included).
+
+    Its failure was raised on no rank when nobody called its ``wait()``: it is reported
+    as a warning here (on every rank alike: the ranks share the outcome) and not raised,
+    so that the new save, which may succeed, still happens.
+    """
+    global _background
+    previous = _background
+    if previous is None:
+        return
+    previous._finished.wait()
+    _background = None  # only now: its staged copy's memory is free for the next save
+    if previous._error is not None and not previous._observed:
+        message = (
+            f"the previous async save ({previous.path}) failed and nobody called its "
+            f"wait(): {previous._error}"
+        )
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 class Call:
     """The exchanges of one collective checkpoint call (see the module docstring).
 
@@ -124,6 +235,7 @@ class Call:
 
     def __init__(self, operation: str, timeout: float | None) -> None:
         global _calls
+        wait_previous()  # a checkpoint still being written by an async save
         self.operation = operation
         self.timeout = handshake_timeout(timeout, operation)
         self.deadline = None if timeout is None else time.monotonic() + self.timeout

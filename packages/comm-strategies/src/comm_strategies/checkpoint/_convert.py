@@ -16,17 +16,16 @@ from typing import Any
 
 from comm_wrappers.backends import describe_params, quiet_torch
 
+from . import _deepspeed_offline as ds_offline
 from . import _publish
-from ._convert_deepspeed import _write_deepspeed
-from ._convert_destination import PLAIN_SUFFIXES as PLAIN_SUFFIXES
-from ._convert_destination import _begin, _check_plain_destination, _plain_suffix
 from ._convert_progress import Progress as Progress
 from ._convert_progress import _nbytes
 from ._convert_progress import save_with_progress as save_with_progress
 from ._convert_source import Source as Source
 from ._convert_source import full_model_state_of as full_model_state_of
 from ._convert_source import read_source as read_source
-from ._files import rng_file
+from ._errors import CheckpointError
+from ._files import _not_a_torch_file, rng_file, save_tensor_file
 from ._layout import (
     DCP_FOLDER,
     EXTRA_FILE,
@@ -39,6 +38,7 @@ from ._layout import (
 from ._manifest import write_manifest
 
 TARGETS = ("plain", "full", "sharded", "deepspeed")
+PLAIN_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 # What a converted folder copies from a comm source folder as it is.
 _SIDE_FILES = (SCHEDULERS_FILE, SCALER_FILE, EXTRA_FILE)
 
@@ -208,3 +208,109 @@ def _copy_private(source: Path, target: Path) -> None:
     with os.fdopen(descriptor, "wb") as out, source.open("rb") as into:
         while chunk := into.read(1 << 20):
             out.write(chunk)
+
+
+# ---------------------------------------------------------------- DeepSpeed's universal layout
+
+
+def _write_deepspeed(read: Source, dst: Path, *, progress: bool) -> Path:
+    """DeepSpeed's universal layout under ``dst`` (a DeepSpeed ``save_dir``)."""
+    if len(read.optim) > 1:
+        message = (
+            f"the source holds {len(read.optim)} optimizers ({sorted(read.optim)}); a DeepSpeed "
+            "engine has one: convert to 'full' or 'sharded' instead"
+        )
+        raise CheckpointError(message)
+    optim = next(iter(read.optim.values()), None)
+    ds = read.deepspeed
+    files = list(
+        ds_offline.universal_files(
+            read.model,
+            optim,
+            world_size=read.world_size,
+            global_steps=ds.global_steps if ds is not None else None,
+            lr_scheduler=ds.lr_scheduler if ds is not None else None,
+        )
+    )
+    temporary = _begin(dst, deepspeed=True)
+    bar = Progress("writing", sum(_nbytes(obj) for _, obj in files), enabled=progress)
+    try:
+        for relative, obj in files:
+            path = temporary / relative
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if isinstance(obj, str):
+                path.write_text(obj)
+                path.chmod(0o600)
+            else:
+                save_tensor_file(obj, path)
+            bar.advance(_nbytes(obj))
+        _publish.finish(temporary, dst)
+    except BaseException:
+        _publish.abandon(temporary)
+        raise
+    finally:
+        bar.close()
+    return dst
+
+
+# ---------------------------------------------------------------- where the converter writes
+# A plain weights file replaces only a weights file; a folder replaces only a comm
+# checkpoint, a universal folder this wrote, an empty folder, or nothing.
+
+
+def _plain_suffix(path: Path) -> bool:
+    """Whether ``path`` ends in one of `PLAIN_SUFFIXES`, in any case (``UP.PT`` too)."""
+    return path.suffix.lower() in PLAIN_SUFFIXES
+
+
+def _check_plain_destination(dst: Path) -> None:
+    """Refuse to replace what is not a weights file: a symbolic link, a folder, or a file of
+    another kind (a ``.pt``/``.pth``/``.bin``/``.ckpt`` file already there in torch's zip or
+    legacy pickle format is replaced, atomically)."""
+    if dst.is_symlink():
+        # Replacing it would put a regular file in the link's place: the link lost, its
+        # target left as it was.
+        message = (
+            f"cannot convert into {dst}: it is a symbolic link (to {os.readlink(dst)}); pass "
+            "the link's target path to replace that file, or remove the link"
+        )
+        raise CheckpointError(message)
+    if dst.is_dir():
+        message = (
+            f"cannot convert into {dst}: it is a folder; a plain weights file needs a file "
+            f"name (e.g. {dst / 'model.pt'}), or pass to='full' or 'sharded' for a folder"
+        )
+        raise CheckpointError(message)
+    if not dst.exists():
+        return
+    if not dst.is_file():  # a FIFO, a socket, a device: not read, never replaced
+        what = "it is not a regular file"
+    elif not _plain_suffix(dst):
+        what = (
+            f"its suffix is {dst.suffix or 'none'!r}, expected one of {', '.join(PLAIN_SUFFIXES)}"
+        )
+    else:
+        with dst.open("rb") as handle:
+            head = handle.read(4)
+        # torch.save's zip format, or its legacy pickle (torch before 1.6).
+        if head == b"PK\x03\x04" or head[:1] == b"\x80":
+            return
+        what = f"it is {_not_a_torch_file(dst) or 'of another format'}"
+    message = (
+        f"cannot convert into {dst}: the file exists and is not a weights file: {what}; "
+        "remove it or choose another name"
+    )
+    raise CheckpointError(message)
+
+
+def _begin(dst: Path, *, deepspeed: bool = False) -> Path:
+    """A private temporary folder next to ``dst`` after checking ``dst`` may be replaced
+    (a comm checkpoint, a universal folder this wrote, an empty folder, or nothing)."""
+    temporary = _publish.temporary_name(dst)
+    if deepspeed and (dst / ds_offline.UNIVERSAL_LATEST).is_file():
+        temporary.mkdir(mode=0o700)
+        return temporary
+    status = _publish.begin(dst, temporary)
+    if status != "ok":
+        raise CheckpointError(f"cannot convert into {dst}: {status}")
+    return temporary

@@ -9,8 +9,9 @@ import os
 import pickle
 import random
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -37,35 +38,30 @@ UNSAFE_HINT = (
 def save_tensor_file(obj: Any, path: Path) -> None:
     """``torch.save`` to a private file (0600), through a temporary name and a rename (its
     folder created, private, when missing)."""
+    _write_private(path, lambda handle: torch.save(obj, handle))
+
+
+def write_json(obj: Any, path: Path, *, compact: bool = False) -> None:
+    """Write JSON as `save_tensor_file` writes; ``compact``: on one line, keys unsorted."""
+    text = json.dumps(obj) if compact else json.dumps(obj, indent=1, sort_keys=True)
+    _write_private(path, lambda handle: handle.write(text.encode() + b"\n"))
+
+
+def _write_private(path: Path, write: Callable[[BinaryIO], object]) -> None:
     path.parent.mkdir(mode=0o700, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(descriptor, "wb") as handle:
-        torch.save(obj, handle)
+        write(handle)
         handle.flush()
         if fsync_enabled():
             os.fsync(handle.fileno())
     os.replace(partial, path)
 
 
-def write_json(obj: Any, path: Path, *, compact: bool = False) -> None:
-    """Write JSON to a private file, through a temporary name and a rename (its folder
-    created, private, when missing); ``compact``: on one line, keys unsorted."""
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    text = json.dumps(obj) if compact else json.dumps(obj, indent=1, sort_keys=True)
-    partial = path.with_name(path.name + ".partial")
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(text + "\n")
-        handle.flush()
-        if fsync_enabled():
-            os.fsync(handle.fileno())
-    os.replace(partial, path)
-
-
-def save_small_file(obj: Any, path: Path) -> None:
-    """A small file of a checkpoint: JSON (compact) for a ``.json`` name, else
-    ``torch.save``; private, through a temporary name and a rename."""
+def save_file(obj: Any, path: Path) -> None:
+    """A file of a checkpoint: JSON (compact) for a ``.json`` name, else ``torch.save``;
+    private, through a temporary name and a rename."""
     if path.suffix == ".json":
         write_json(obj, path, compact=True)
     else:
@@ -104,24 +100,16 @@ def restore_rng(state: dict[str, Any]) -> None:
     """Set the generators from a `capture_rng` result (NumPy's and CUDA's when present
     here), or from the torch file of layout version 1 (`read_rng_file` reads both)."""
     python = state["python"]
-    internal = python["state"]  # a tensor in layout version 1
-    internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+    internal = python["state"]
+    internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal  # version 1
     random.setstate((python["version"], tuple(internal), python.get("gauss")))
     torch.set_rng_state(_decode(state["torch"]))
     numpy = _numpy()
     if numpy is not None and "numpy" in state:
         saved = state["numpy"]
-        keys = saved["keys"]
-        keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
-        numpy.random.set_state(
-            (
-                saved["kind"],
-                numpy.asarray(keys, dtype="uint32"),
-                saved["pos"],
-                saved["has_gauss"],
-                saved["cached_gaussian"],
-            )
-        )
+        keys = numpy.asarray(saved["keys"], dtype="uint32")  # a tensor in version 1
+        rest = (saved["pos"], saved["has_gauss"], saved["cached_gaussian"])
+        numpy.random.set_state((saved["kind"], keys, *rest))
     if "cuda" in state and torch.cuda.is_available():
         states = state["cuda"][: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all([_decode(device) for device in states])

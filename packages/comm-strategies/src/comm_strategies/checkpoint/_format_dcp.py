@@ -54,8 +54,7 @@ class DcpFormat:
         """Write every rank's shards (collective); return the model's shapes. A failure
         (on every rank: DCP gathers the ranks' outcomes) is kept in ``attempts``."""
         state = sharded_state(backend, optimizers)
-        with quiet_torch():  # the shapes of the state written (global shapes of shards)
-            params = describe_params(state["model"])
+        params = describe_params(state["model"])  # the global shapes of the shards
         with attempts.keep(DCP_FOLDER):
             write_dcp(state, folder)
         return params
@@ -72,8 +71,7 @@ class DcpFormat:
             load_full(backend, state["model"], state.get("optim", {}), request, str(source))
             return
         state = sharded_state(backend, request.optimizers)
-        with quiet_torch():  # the global shapes of the model's shards
-            shapes = describe_params(state["model"])
+        shapes = describe_params(state["model"])  # the global shapes of the shards
         skipped = check_against(shapes, manifest.params, str(source), request.strict)
         if skipped:
             state["model"] = {k: v for k, v in state["model"].items() if k not in skipped}

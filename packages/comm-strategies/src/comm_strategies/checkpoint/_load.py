@@ -23,8 +23,8 @@ import comm_collectives as dist
 from comm_wrappers.backends import Backend, backend_of
 
 from .._build import scalers_of, torch_optimizers
-from . import _async, _publish
 from . import _deepspeed_files as ds_files
+from . import _publish
 from ._consensus import Call
 from ._errors import CheckpointError
 from ._files import load_tensor_file, read_rng_file, restore_rng
@@ -37,7 +37,7 @@ from ._manifest import MANIFEST_NAME, Manifest, read_manifest
 def load_checkpoint(
     path: str | os.PathLike[str],
     *,
-    model: nn.Module,
+    model: nn.Module | Backend,
     optim_wrapper: Any = None,
     schedulers: Sequence[Any] = (),
     strict: bool = True,
@@ -57,7 +57,7 @@ def load_checkpoint(
 
     Args:
         path: A checkpoint folder, a ``.pth`` file or a DeepSpeed checkpoint folder.
-        model: What the strategy prepared.
+        model: What the strategy prepared, or its adapter (as in `save_checkpoint`).
         optim_wrapper: Receives the optimizer state (and the gradient scaler's).
         schedulers: Receive the schedulers' states, in the order they were saved.
         strict: The model's names must equal the checkpoint's.
@@ -78,8 +78,7 @@ def load_checkpoint(
             checkpoint belongs to another model (names and shapes listed), a format needs
             ``allow_unsafe_pickle``, or the optimizer state cannot move between formats.
     """
-    _async.wait_previous()  # a checkpoint still being written by an async save
-    backend = backend_of(model)
+    backend = model if isinstance(model, Backend) else backend_of(model)
     # before the call takes its number: a rank that raises here takes none
     optimizers = torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY) if load_optimizer else {}
     call = Call("load_checkpoint", timeout)

@@ -97,48 +97,25 @@ class Manifest:
         return cls(**{name: data[name] for name in names})
 
 
-def write_manifest(
-    folder: Path,
-    *,
-    strategy: str,
-    world_size: int,
-    format: str,
-    params: dict[str, list[Any]],
-    optimizer_keys: Sequence[str],
-    num_schedulers: int,
-    has_scaler: bool,
-    rng_ranks: list[int],
-    extra_keys: list[str],
-    wrapper: str = "module",
-    zero_stage: int | None = None,
-    sharding: str | None = None,
-) -> Manifest:
+def write_manifest(folder: Path, *, optimizer_keys: Sequence[str], **fields: Any) -> Manifest:
     """Write the manifest of the checkpoint in ``folder`` (its last file); return it.
 
-    The one place a manifest is made (a save's publish and the converter): the format
-    version, the versions of the libraries, the time, and the list of every file of
-    ``folder`` with its size are filled in here. ``optimizer_keys``: the saved optimizers'
-    keys (one unnamed optimizer is recorded as ``[]``).
+    The one place a manifest is made (a save's publish and the converter). ``fields``: the
+    `Manifest` fields the caller knows (``wrapper``, ``zero_stage`` and ``sharding`` may be
+    left out: a module's); the format version, the optimizer fields from
+    ``optimizer_keys`` (the saved optimizers' keys; one unnamed optimizer is recorded as
+    ``[]``), the libraries' versions, the time and every file of ``folder`` with its size
+    are filled in here.
     """
     keys = sorted(optimizer_keys)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
-        strategy=strategy,
-        wrapper=wrapper,
-        world_size=world_size,
-        format=format,
-        zero_stage=zero_stage,
-        sharding=sharding,
-        params=params,
         has_optimizer=bool(keys),
         optimizer_keys=[] if keys in ([], [DEFAULT_KEY]) else keys,
-        num_schedulers=num_schedulers,
-        has_scaler=has_scaler,
-        rng_ranks=rng_ranks,
-        extra_keys=extra_keys,
         versions=_versions(),
         saved_at=time.time(),
         files=list_files(folder),
+        **{"wrapper": "module", "zero_stage": None, "sharding": None, **fields},
     )
     write_json(manifest.to_json(), folder / MANIFEST_NAME)
     return manifest

@@ -191,7 +191,7 @@ def newest_first(parent: Path, *, whole: bool = False, unpublished: bool = False
     """The complete checkpoints this package wrote in ``parent``, newest first.
 
     The order is `find_latest`'s: by the manifest's ``saved_at``, then by name. Only
-    folders whose manifest this package wrote (`_is_checkpoint`) are listed, and no
+    folders whose manifest this package wrote (`_our_manifest`) are listed, and no
     symbolic link (a ``latest`` link to one of them is not a second checkpoint). Hidden
     names (temporary and replaced folders) never count, but with ``unpublished`` a finished
     temporary folder ``.NAME.tmp-*`` counts when no ``NAME`` is there and a replaced
@@ -211,13 +211,8 @@ def newest_first(parent: Path, *, whole: bool = False, unpublished: bool = False
                 continue
         if candidate.is_symlink() or not candidate.is_dir():
             continue
-        try:
-            manifest = read_manifest(candidate)
-        except CheckpointError:  # none, damaged, or another program's
-            continue
-        if "comm-strategies" not in manifest.versions:
-            continue
-        if whole and not is_whole(candidate, manifest.files):
+        manifest = _our_manifest(candidate)
+        if manifest is None or (whole and not is_whole(candidate, manifest.files)):
             continue
         found.append(((manifest.saved_at, candidate.name), candidate))
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]

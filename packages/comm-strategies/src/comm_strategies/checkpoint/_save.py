@@ -27,8 +27,8 @@ from comm_wrappers.backends import Backend, backend_of
 
 from .._build import scalers_of, torch_optimizers
 from . import _async, _files, _publish
-from ._async import SaveHandle, SmallFile
-from ._consensus import Attempts, Call, label
+from ._async import SmallFile
+from ._consensus import Attempts, Call, SaveHandle, finished, label
 from ._errors import CheckpointError
 from ._formats import FORMATS
 from ._layout import DEFAULT_KEY, EXTRA_FILE, SCALER_FILE, SCHEDULERS_FILE
@@ -40,7 +40,7 @@ from ._state import refuse_unportable
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
-    model: nn.Module,
+    model: nn.Module | Backend,
     optim_wrapper: Any = ...,
     schedulers: Sequence[Any] = ...,
     strategy: str,
@@ -56,7 +56,7 @@ def save_checkpoint(
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
-    model: nn.Module,
+    model: nn.Module | Backend,
     optim_wrapper: Any = ...,
     schedulers: Sequence[Any] = ...,
     strategy: str,
@@ -72,7 +72,7 @@ def save_checkpoint(
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
-    model: nn.Module,
+    model: nn.Module | Backend,
     optim_wrapper: Any = ...,
     schedulers: Sequence[Any] = ...,
     strategy: str,
@@ -87,7 +87,7 @@ def save_checkpoint(
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
-    model: nn.Module,
+    model: nn.Module | Backend,
     optim_wrapper: Any = None,
     schedulers: Sequence[Any] = (),
     strategy: str,
@@ -107,7 +107,9 @@ def save_checkpoint(
 
     Args:
         path: The checkpoint folder to create (replaced if it exists).
-        model: What the strategy prepared: a module, DDP, FSDP1, FSDP2 or DeepSpeed wrapper.
+        model: What the strategy prepared: a module, DDP, FSDP1, FSDP2 or DeepSpeed wrapper;
+            or its adapter, ``comm_wrappers.backends.backend_of(model)``, which a caller
+            that saves often keeps (`Strategy` does) instead of deciding it each time.
         optim_wrapper: ``OptimWrapper``, ``AmpOptimWrapper`` (its scaler is saved too),
             ``OptimWrapperDict``, ``DeepSpeedOptimWrapper``, or a torch optimizer.
         schedulers: Objects with ``state_dict``/``load_state_dict`` (LR schedulers).
@@ -154,8 +156,7 @@ def save_checkpoint(
         {'epoch': 1}
     """
     _check_keep_last(keep_last)
-    _async.wait_previous()
-    backend = backend_of(model)
+    backend = model if isinstance(model, Backend) else backend_of(model)
     fmt = backend.format_for(sharded)
     optimizers = torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY)
     if fmt == "full" and optimizers:
@@ -183,9 +184,9 @@ def save_checkpoint(
         publish.params = FORMATS[fmt].write(backend, optimizers, publish.temporary, attempts)
     for what, value, file in _small_files(attempts, publish, optim_wrapper, schedulers, extra):
         with attempts.keep(what):
-            _files.save_small_file(value, file)
+            _files.save_file(value, file)
     commit(call, attempts.error, publish)
-    return _async.finished(final) if async_save else final
+    return finished(final) if async_save else final
 
 
 def commit(

@@ -60,6 +60,8 @@ class Backend:
     # Whether the parameters are split across ranks: full states are then gathered (and
     # scattered on load), and a full state on rank 0 only is a collective.
     _shards: ClassVar[bool] = False
+    # The sharding `describe` records, for the adapters that do not compute it.
+    _sharding: ClassVar[str | None] = None
     #: Whether a sharded state saved at another world size loads into the model's own
     #: sharded state (torch distributed checkpoint reshards it); else through the full one.
     reshards_sharded_state: ClassVar[bool] = True
@@ -178,7 +180,7 @@ class Backend:
 
     def describe(self) -> dict[str, Any]:
         """``{"wrapper": kind, "sharding": ..., "zero_stage": ...}`` for a manifest."""
-        return {"wrapper": self.kind, "sharding": None, "zero_stage": None}
+        return {"wrapper": self.kind, "sharding": self._sharding, "zero_stage": None}
 
     def native_checkpoint(self) -> NativeCheckpoint | None:
         """The backend's own checkpoint files, for backends that have them; None for the

@@ -35,14 +35,11 @@ class FSDP2Backend(Backend):
 
     kind: ClassVar[str] = "fsdp2"
     _shards: ClassVar[bool] = True
+    _sharding: ClassVar[str | None] = "fully_shard"  # what `describe` records
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Skip the gradient reduce-scatter of every sharded module; the next one reduces."""
         return gradient_sync_off(self.model)
-
-    def describe(self) -> dict[str, Any]:
-        """``{"wrapper": "fsdp2", "sharding": "fully_shard", "zero_stage": None}``."""
-        return {"wrapper": self.kind, "sharding": "fully_shard", "zero_stage": None}
 
     def _gather_to_rank0(self) -> dict[str, torch.Tensor] | None:
         return rows_to_rank0(self._target())
