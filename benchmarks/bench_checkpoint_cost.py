@@ -192,7 +192,7 @@ def install(recorder: Recorder, backend_class: type) -> None:
         recorder.wrap(module, "backend_of", "backend_of")
         recorder.wrap(module, "torch_optimizers", "torch_optimizers")
         recorder.wrap(module, "Call", "Call()")
-    recorder.wrap(_async, "wait_previous", "wait_previous")
+    recorder.wrap(_consensus, "wait_previous", "wait_previous")
     recorder.wrap(_publish, "temporary_name", "temporary_name")
     # save: entry, the format's write, the small files, the commit
     recorder.wrap(_save, "_enter", "_enter")
@@ -528,8 +528,8 @@ SAVE_ROWS = [
     ("·· `_publish.finish` (rename)", "finish"),
     ("· exchange `published` (`Call.share`)", "Call.share published"),
     ("the rest of `save_checkpoint` (unwrapped)", "rest"),
-    ("· `_async.wait_previous`", "wait_previous"),
     ("· `Call()`", "Call()"),
+    ("·· `wait_previous` (an async save still running)", "wait_previous"),
     ("· `_publish.temporary_name`", "temporary_name"),
     ("(of which garbage collections, in whichever part above they fell)", "gc in comm"),
     ("**comm's parts (sum: the whole less torch's)**", "added"),
@@ -554,8 +554,8 @@ LOAD_ROWS = [
     ("exchange `loaded` (`Call.share`)", "Call.share loaded"),
     ("RNG restored (`_files.restore_rng`)", "restore"),
     ("the rest of `load_checkpoint` (unwrapped)", "rest"),
-    ("· `_async.wait_previous`", "wait_previous"),
     ("· `Call()`", "Call()"),
+    ("·· `wait_previous` (an async save still running)", "wait_previous"),
     ("(of which garbage collections, in whichever part above they fell)", "gc in comm"),
     ("**comm's parts (sum: the whole less torch's)**", "added"),
     ("torch: `sharded_state` (`get_state_dict`)", "sharded_state"),

@@ -963,3 +963,19 @@ def test_a_damaged_rng_file_names_itself_and_the_way_out(tmp_path: Path) -> None
         load_checkpoint(folder, model=torch.nn.Linear(2, 1))
     assert "load_rng=False" in str(info.value)
     load_checkpoint(folder, model=torch.nn.Linear(2, 1), load_rng=False)  # the way out
+
+
+def test_the_model_s_backend_adapter_stands_for_the_model(tmp_path: Path) -> None:
+    """save_checkpoint and load_checkpoint take the adapter a caller keeps (as `Strategy`
+    does) in place of the model, with the same files and the same values."""
+    from comm_wrappers.backends import backend_of
+
+    model = torch.nn.Linear(3, 2)
+    by_model = save_checkpoint(tmp_path / "by_model", model=model, strategy="single")
+    by_backend = save_checkpoint(
+        tmp_path / "by_backend", model=backend_of(model), strategy="single"
+    )
+    assert read_manifest(by_model).files == read_manifest(by_backend).files
+    target = torch.nn.Linear(3, 2)
+    load_checkpoint(by_backend, model=backend_of(target))
+    assert max_diff(dict(target.state_dict()), dict(model.state_dict())) == 0.0

@@ -26,7 +26,7 @@ __all__ = ["check_timeout", "default_store", "post_and_wait", "rendezvous"]
 
 _SOON_S = 0.05  # how long the keys are checked before the store's own wait
 _POLL_S = 0.0002
-_POLL_LONGEST_S = 0.05  # the longest interval between two checks of a polling wait
+_POLL_LONGEST_S = 0.01  # the longest interval between two checks of a polling wait
 _LONGEST_S = 1e9  # a longer wait overflows the store's milliseconds: about 31 years is enough
 _ENCODING = "utf-8"
 
@@ -51,7 +51,7 @@ def post_and_wait(
     FileStore rounds its deadline up to the next whole second), so the keys are first
     checked every 0.2 ms for a few milliseconds; the store's bounded wait follows only when
     a rank is late. With ``poll`` the keys are checked instead, at growing intervals up to
-    50 ms: the store's wait holds the process's store client for as long as it lasts, which
+    10 ms: the store's wait holds the process's store client for as long as it lasts, which
     another thread of the process (one running collectives) must not be kept from.
 
     Returns:
@@ -119,7 +119,7 @@ def rendezvous(
         withdraw_on_timeout: Delete this rank's key before raising the timeout, and start
             a later call with the same key afresh, so a call made by one rank alone leaves
             nothing behind that a later call could take for its partner.
-        poll: Wait by checking the store at growing intervals (1 ms to 50 ms) instead of
+        poll: Wait by checking the store at growing intervals (1 ms to 10 ms) instead of
             the store's own blocking wait, which holds the process's store client while it
             lasts: for a thread beside the one that runs collectives (a background save),
             whose wait must not hold up the other thread's store requests.
