@@ -21,6 +21,7 @@ OPTIONAL = {
     ("comm_core", "comm_core/testing/plugin.py", "pytest"),
     # NumPy's generator state is saved in checkpoints when NumPy is installed.
     ("comm_strategies", "comm_strategies/checkpoint/_files.py", "numpy"),
+    ("comm_strategies", "comm_strategies/checkpoint/_reading.py", "numpy"),
     ("comm_strategies", "comm_strategies/integrations/mmengine.py", "mmengine"),
     ("comm_strategies", "comm_strategies/integrations/_mmengine_runner.py", "mmengine"),
     ("comm_strategies", "comm_strategies/integrations/_mmengine_hook.py", "mmengine"),

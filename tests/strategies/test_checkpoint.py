@@ -12,6 +12,7 @@ Set ``COMM_CKPT_MATRIX_OUT`` to a file path to get the measured matrix as markdo
 from __future__ import annotations
 
 import base64
+import json
 import os
 import random
 import re
@@ -28,6 +29,7 @@ import comm_collectives as dist
 from comm_strategies.checkpoint import (
     CheckpointError,
     _publish,
+    convert_checkpoint,
     full_model_state_dict,
     full_optim_state_dict,
     load_checkpoint,
@@ -922,7 +924,7 @@ def test_deepspeeds_own_folder_restores_the_engines_optimizer(
 def test_the_rng_file_is_json_and_a_version_1_torch_file_still_loads(tmp_path: Path) -> None:
     """Each rank's generators are saved as JSON (layout version 2); a folder of layout
     version 1 (``rng/rank_N.pt``, torch's format) restores the same generators."""
-    from comm_strategies.checkpoint._files import read_rng_file
+    from comm_strategies.checkpoint._files import rng_json
 
     model = torch.nn.Linear(2, 1)
     random.seed(5)
@@ -933,7 +935,7 @@ def test_the_rng_file_is_json_and_a_version_1_torch_file_still_loads(tmp_path: P
     manifest = read_manifest(folder)
     assert manifest.format_version == 2
     assert "rng/rank_0.json" in manifest.files
-    saved = read_rng_file(folder, 0)
+    saved = json.loads((folder / "rng" / "rank_0.json").read_text())
     assert sorted(saved) == ["numpy", "python", "torch"]
     assert len(saved["python"]["state"]) == 625  # Mersenne Twister: 624 words and a position
 
@@ -954,15 +956,52 @@ def test_the_rng_file_is_json_and_a_version_1_torch_file_still_loads(tmp_path: P
         load_checkpoint(folder, model=torch.nn.Linear(2, 1))
         got = (random.random(), numpy.random.rand(2).tolist(), torch.rand(2).tolist())
         assert got == expected, (version_1, got, expected)
+    assert rng_json(folder, 0) == saved  # the version-1 file, as convert writes it again
+    converted = convert_checkpoint(folder, tmp_path / "converted", to="full")
+    assert json.loads((converted / "rng" / "rank_0.json").read_text()) == saved
+    assert not (converted / "rng" / "rank_0.pt").exists()
 
 
-def test_a_damaged_rng_file_names_itself_and_the_way_out(tmp_path: Path) -> None:
-    folder = save_checkpoint(tmp_path / "ck", model=torch.nn.Linear(2, 1), strategy="single")
-    (folder / "rng" / "rank_0.json").write_text('{"python": ')
+DAMAGES: dict[str, Any] = {
+    "cut short": None,
+    "not an object": [1, 2],
+    "torch's state cut": lambda s: dict(s, torch=s["torch"][:100]),
+    "torch's state not base64": lambda s: dict(s, torch="not base64!"),
+    "python's state short": lambda s: dict(s, python=dict(s["python"], state=[1] * 10)),
+    "python's state a string": lambda s: dict(s, python="x"),
+    "python's version missing": lambda s: dict(s, python={"state": s["python"]["state"]}),
+    "numpy's keys short": lambda s: dict(s, numpy=dict(s["numpy"], keys=[1, 2])),
+    "numpy's keys negative": lambda s: dict(s, numpy=dict(s["numpy"], keys=[-1] * 624)),
+    "a CUDA state not base64": lambda s: dict(s, cuda=["?"]),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_rng_file_names_itself_and_the_way_out(tmp_path: Path, damage: str) -> None:
+    """Whatever is wrong in it, the RNG file fails the load before anything is set (the
+    model and every generator as they were), naming the file and ``load_rng=False``."""
+    model = torch.nn.Linear(2, 1)
+    folder = save_checkpoint(tmp_path / "ck", model=model, strategy="single")
+    file = folder / "rng" / "rank_0.json"
+    change = DAMAGES[damage]
+    if change is None:
+        file.write_text(file.read_text()[:40])
+    else:
+        saved = json.loads(file.read_text())
+        file.write_text(json.dumps(change(saved) if callable(change) else change))
+    target = torch.nn.Linear(2, 1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    random.seed(3)
+    torch.manual_seed(3)
+    generators = (random.getstate(), torch.get_rng_state())
     with pytest.raises(CheckpointError, match=r"rank_0\.json is truncated or corrupt") as info:
-        load_checkpoint(folder, model=torch.nn.Linear(2, 1))
+        load_checkpoint(folder, model=target)
     assert "load_rng=False" in str(info.value)
-    load_checkpoint(folder, model=torch.nn.Linear(2, 1), load_rng=False)  # the way out
+    assert max_diff(dict(target.state_dict()), before) == 0.0  # nothing loaded
+    assert random.getstate() == generators[0]
+    assert torch.equal(torch.get_rng_state(), generators[1])
+    load_checkpoint(folder, model=target, load_rng=False)  # the way out
+    assert max_diff(dict(target.state_dict()), dict(model.state_dict())) == 0.0
 
 
 def test_the_model_s_backend_adapter_stands_for_the_model(tmp_path: Path) -> None:

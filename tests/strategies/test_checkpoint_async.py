@@ -372,8 +372,39 @@ def test_wait_with_a_timeout_and_an_unobserved_failure(tmp_path: Path) -> None:
         tmp_path / "bad", model=model, strategy="single", extra={"f": lambda: None},
         async_save=True,
     )  # fmt: skip
-    with pytest.warns(RuntimeWarning, match=r"previous async save .*bad.* failed"):
+    with pytest.warns(RuntimeWarning, match=r"previous async save .*bad.* failed") as warned:
         assert save_checkpoint(tmp_path / "next", model=model, strategy="single").name == "next"
+    assert [Path(w.filename).name for w in warned] == [Path(__file__).name]  # the caller's line
     with pytest.raises(CheckpointError, match="user state"):
         failed.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["held", "next"]
+
+
+def test_resume_takes_the_async_save_still_committing(tmp_path: Path) -> None:
+    """resume() with no path waits for this process's async save before it looks for the
+    latest checkpoint: with keep_last=1, the one it would have found is gone by then."""
+    strategy = build_strategy("single", work_dir=tmp_path, seed=0, keep_last=1)
+    strategy.prepare(torch.nn.Linear(2, 1), optim_wrapper={"optimizer": {"type": "SGD", "lr": 0.1}})
+    strategy.save_checkpoint("step_1", extra={"step": 1})
+    released = threading.Event()
+    _hold_until(released)
+    try:
+        handle = strategy.save_checkpoint_async("step_2", extra={"step": 2})
+        threading.Timer(0.5, released.set).start()  # published while resume() waits
+        assert strategy.resume() == {"step": 2}
+    finally:
+        released.set()
+        _unhook()
+    assert handle.wait(timeout=60) == tmp_path / "step_2"
+
+
+def test_a_call_on_the_pending_saves_own_thread_does_not_wait_for_itself(tmp_path: Path) -> None:
+    from comm_strategies.checkpoint import _consensus
+
+    handle = SaveHandle(tmp_path / "pending")  # never ends
+    _consensus.in_background(handle, threading.current_thread())
+    try:
+        _consensus.wait_previous()  # returns at once on the save's own thread
+        assert not handle.done()
+    finally:
+        _consensus._background = None

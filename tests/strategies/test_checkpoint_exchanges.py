@@ -14,6 +14,7 @@ checkpoint nor its temporary folder), and the next save works.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -213,10 +214,11 @@ def test_a_dcp_save_whose_small_files_fail_on_one_rank_fails_every_rank(
         assert result["load"] == ("", ""), result["load"]
 
 
-def rng_file_unreadable_on_one_rank(root: str) -> dict[str, Any]:
-    """Rank 1's RNG file is cut short: the load must fail on every rank before anything is
-    loaded (each rank's RNG state is read before the entry, whose exchange shares the
-    outcome), and a load of a whole checkpoint must work after it."""
+def rng_file_unreadable_on_one_rank(root: str, how: str) -> dict[str, Any]:
+    """Rank 1's RNG file is cut short (``how="cut"``), or is valid JSON with torch's state
+    cut (``"bad state"``): the load must fail on every rank before anything is loaded
+    (each rank's RNG state is read and checked before the entry, whose exchange shares
+    the outcome), and a load of a whole checkpoint must work after it."""
     out: dict[str, Any] = {}
     model, optim = _model(0)
     damaged = save_checkpoint(f"{root}/damaged", model=model, optim_wrapper=optim, strategy="ddp")
@@ -225,7 +227,11 @@ def rng_file_unreadable_on_one_rank(root: str) -> dict[str, Any]:
     if dist.get_rank() == 1:
         rng_file = damaged / "rng" / "rank_1.json"
         data = rng_file.read_bytes()
-        rng_file.write_bytes(data[: len(data) // 2])
+        if how == "cut":
+            rng_file.write_bytes(data[: len(data) // 2])
+        else:
+            state = json.loads(data)
+            rng_file.write_text(json.dumps(dict(state, torch=state["torch"][:100])))
     dist.barrier()
     other, other_optim = _model(1)
     untouched = {k: v.clone() for k, v in other.state_dict().items()}
@@ -242,10 +248,11 @@ def rng_file_unreadable_on_one_rank(root: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.parametrize("how", ["cut", "bad state"])
 def test_an_unreadable_rng_file_fails_every_rank_before_anything_loads(
-    comm_run_distributed: Any, tmp_path: Path
+    comm_run_distributed: Any, tmp_path: Path, how: str
 ) -> None:
-    results = comm_run_distributed(rng_file_unreadable_on_one_rank, str(tmp_path), timeout=120)
+    results = comm_run_distributed(rng_file_unreadable_on_one_rank, str(tmp_path), how, timeout=120)
     for rank, result in enumerate(results):
         name, message = result["damaged"]
         assert name == "CheckpointError", message

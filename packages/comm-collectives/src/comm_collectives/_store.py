@@ -26,7 +26,9 @@ __all__ = ["check_timeout", "default_store", "post_and_wait", "rendezvous"]
 
 _SOON_S = 0.05  # how long the keys are checked before the store's own wait
 _POLL_S = 0.0002
-_POLL_LONGEST_S = 0.01  # the longest interval between two checks of a polling wait
+# the longest interval between two checks of a polling wait: in its first second (the
+# others usually end soon: a published save is seen soon after), then later on
+_POLL_LONGEST_S = (0.01, 0.05)
 _LONGEST_S = 1e9  # a longer wait overflows the store's milliseconds: about 31 years is enough
 _ENCODING = "utf-8"
 
@@ -51,8 +53,9 @@ def post_and_wait(
     FileStore rounds its deadline up to the next whole second), so the keys are first
     checked every 0.2 ms for a few milliseconds; the store's bounded wait follows only when
     a rank is late. With ``poll`` the keys are checked instead, at growing intervals up to
-    10 ms: the store's wait holds the process's store client for as long as it lasts, which
-    another thread of the process (one running collectives) must not be kept from.
+    10 ms in the first second and 50 ms after it: the store's wait holds the process's
+    store client for as long as it lasts, which another thread of the process (one running
+    collectives) must not be kept from.
 
     Returns:
         The indices of the keys still missing at the deadline; empty when all arrived.
@@ -82,12 +85,12 @@ def post_and_wait(
 
 def _poll(store: Store, keys: Sequence[str], deadline: float) -> list[int]:
     """Check ``keys`` until all are there or ``deadline``; return the indices missing."""
-    delay = 0.001
+    delay, later = 0.001, time.monotonic() + 1.0
     while not store.check(list(keys)):
         if time.monotonic() > deadline:
             return [index for index, key in enumerate(keys) if not store.check([key])]
         time.sleep(delay)
-        delay = min(delay * 2, _POLL_LONGEST_S)
+        delay = min(delay * 2, _POLL_LONGEST_S[time.monotonic() > later])
     return []
 
 
@@ -119,10 +122,11 @@ def rendezvous(
         withdraw_on_timeout: Delete this rank's key before raising the timeout, and start
             a later call with the same key afresh, so a call made by one rank alone leaves
             nothing behind that a later call could take for its partner.
-        poll: Wait by checking the store at growing intervals (1 ms to 10 ms) instead of
-            the store's own blocking wait, which holds the process's store client while it
-            lasts: for a thread beside the one that runs collectives (a background save),
-            whose wait must not hold up the other thread's store requests.
+        poll: Wait by checking the store at growing intervals (1 ms to 10 ms, 50 ms after
+            the first second) instead of the store's own blocking wait, which holds the
+            process's store client while it lasts: for a thread beside the one that runs
+            collectives (a background save), whose wait must not hold up the other thread's
+            store requests.
 
     Returns:
         Every rank's value, index = rank in ``group``; ``[value]`` without a process group

@@ -10,6 +10,7 @@ from typing import Any
 from comm_wrappers.backends import Backend, backend_of
 
 from . import checkpoint
+from .checkpoint._consensus import wait_previous
 
 __all__ = ["CheckpointMixin"]
 
@@ -31,7 +32,8 @@ class CheckpointMixin:
 
     def _model_backend(self) -> Backend:
         """The prepared model's backend adapter, decided once per model, not at every save
-        and load."""
+        and load (again when ``self.model`` is another object; a model wrapped in place
+        after `prepare`, which no strategy does, would keep its first adapter)."""
         backend: Backend | None = self.__dict__.get("_backend")
         if backend is None or backend.model is not self.model:
             backend = self.__dict__["_backend"] = backend_of(self.model)
@@ -184,6 +186,7 @@ class CheckpointMixin:
             if self._work_dir is None:
                 message = "resume() without a path needs the strategy's work_dir"
                 raise ValueError(message)
+            wait_previous()  # the latest is an async save of this process still committing
             latest = checkpoint.find_latest(self._work_dir)
             if latest is None and missing_ok:
                 return {}

@@ -4,8 +4,8 @@ A checkpoint is a folder: ``manifest.json`` (written last: strategy, world size,
 ZeRO stage or FSDP sharding, parameter names, shapes and dtypes, versions), the model
 and optimizer state (``model.pt``/``optim.pt`` full, ``dcp/`` sharded with torch
 distributed checkpoint, or ``deepspeed/`` with DeepSpeed's own files), ``schedulers.pt``,
-``scaler.pt``, ``extra.pt`` (user state) and ``rng/rank_R.json``. Our files load with
-``torch.load(weights_only=True)``.
+``scaler.pt``, ``extra.pt`` (user state) and ``rng/rank_R.json``. Our torch files load
+with ``torch.load(weights_only=True)``; the manifest and the RNG files are JSON.
 
 Examples:
     >>> import tempfile, torch

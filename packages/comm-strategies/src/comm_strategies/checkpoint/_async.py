@@ -136,7 +136,7 @@ def start(
         name="comm-checkpoint-save",
         daemon=False,
     )
-    in_background(handle)
+    in_background(handle, thread)
     thread.start()
     return handle
 

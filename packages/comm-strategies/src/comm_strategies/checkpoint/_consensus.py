@@ -19,6 +19,7 @@ caller passed one, else the longer of that and an hour (writing a large model is
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -192,27 +193,29 @@ def finished(path: Path) -> SaveHandle:
     return handle
 
 
-_background: SaveHandle | None = None  # the save whose commit runs in a thread
+# the save whose files and commit a thread writes, and that thread
+_background: tuple[SaveHandle, threading.Thread] | None = None
 
 
-def in_background(handle: SaveHandle) -> None:
-    """Note the async save whose files and commit a thread now writes (`_async.start`)."""
+def in_background(handle: SaveHandle, thread: threading.Thread) -> None:
+    """Note the async save whose files and commit ``thread`` writes (`_async.start`)."""
     global _background
-    _background = handle
+    _background = (handle, thread)
 
 
 def wait_previous() -> None:
     """Wait for the async save still running, if any: every `Call` starts with this (the
-    calls of a rank are made one after the other, a save's commit included).
+    calls of a rank are made one after the other, a save's commit included), but on that
+    save's own thread.
 
     Its failure was raised on no rank when nobody called its ``wait()``: it is reported
-    as a warning here (on every rank alike: the ranks share the outcome) and not raised,
-    so that the new save, which may succeed, still happens.
+    as a warning here, at the caller's line outside this package (on every rank alike:
+    the ranks share the outcome), and not raised, so that the new save still happens.
     """
     global _background
-    previous = _background
-    if previous is None:
+    if _background is None or _background[1] is threading.current_thread():
         return
+    previous = _background[0]
     previous._finished.wait()
     _background = None  # only now: its staged copy's memory is free for the next save
     if previous._error is not None and not previous._observed:
@@ -220,7 +223,19 @@ def wait_previous() -> None:
             f"the previous async save ({previous.path}) failed and nobody called its "
             f"wait(): {previous._error}"
         )
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=_outside_package())
+
+
+def _outside_package() -> int:
+    """The ``stacklevel`` of the first caller outside comm_strategies, for a warning of
+    the function that calls this."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    level, frame = 1, inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # the function that warns: level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        level += 1
+        frame = frame.f_back
+    return level
 
 
 class Call:

@@ -25,17 +25,17 @@ from ._convert_source import Source as Source
 from ._convert_source import full_model_state_of as full_model_state_of
 from ._convert_source import read_source as read_source
 from ._errors import CheckpointError
-from ._files import _not_a_torch_file, rng_file, save_tensor_file
+from ._files import rng_file, rng_json, save_tensor_file, write_json
 from ._layout import (
     DCP_FOLDER,
     EXTRA_FILE,
     MODEL_FILE,
     OPTIM_FILE,
-    RNG_FOLDER,
     SCALER_FILE,
     SCHEDULERS_FILE,
 )
 from ._manifest import write_manifest
+from ._reading import _not_a_torch_file
 
 TARGETS = ("plain", "full", "sharded", "deepspeed")
 PLAIN_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -186,13 +186,10 @@ def _copy_side_files(read: Source, folder: Path) -> dict[str, Any]:
         if (source / name).is_file():
             _copy_private(source / name, folder / name)
     rng_ranks = []
-    for rank in manifest.rng_ranks:
+    for rank in manifest.rng_ranks:  # layout version 1's torch files written as JSON
         file = rng_file(source, rank)
-        if not file.is_file():  # layout version 1
-            file = file.with_suffix(".pt")
-        if file.is_file():
-            (folder / RNG_FOLDER).mkdir(mode=0o700, exist_ok=True)
-            _copy_private(file, folder / RNG_FOLDER / file.name)
+        if file.is_file() or file.with_suffix(".pt").is_file():
+            write_json(rng_json(source, rank), rng_file(folder, rank), compact=True)
             rng_ranks.append(rank)
     return {
         "num_schedulers": manifest.num_schedulers if (folder / SCHEDULERS_FILE).is_file() else 0,

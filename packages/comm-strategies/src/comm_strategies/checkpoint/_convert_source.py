@@ -17,10 +17,10 @@ from .._names import strip_prefixes
 from . import _deepspeed_files as ds_files
 from . import _deepspeed_offline as ds_offline
 from ._errors import CheckpointError
-from ._files import load_tensor_file
 from ._format_dcp import read_dcp_full
 from ._layout import DEFAULT_KEY, DS_FOLDER, DS_TAG, MODEL_FILE, OPTIM_FILE
 from ._manifest import MANIFEST_NAME, Manifest, read_manifest
+from ._reading import load_tensor_file
 
 
 @dataclass

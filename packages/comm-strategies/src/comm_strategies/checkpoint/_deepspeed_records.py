@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ._errors import CheckpointError
-from ._files import UNSAFE_HINT, _first_line, _weights_only_detail, numpy_safe_globals
+from ._reading import UNSAFE_HINT, _weights_only_detail, first_line, numpy_safe_globals
 
 # The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins:
 # plain records, rebuilt from their fields (no code of their own runs).
@@ -113,7 +113,7 @@ def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
         )
         raise CheckpointError(message) from error
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as error:
-        message = f"{path} is truncated or corrupt (torch.load says: {_first_line(error)})"
+        message = f"{path} is truncated or corrupt (torch.load says: {first_line(error)})"
         raise CheckpointError(message) from error
 
 
@@ -121,7 +121,7 @@ def _load_unsafe(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:
-        message = f"{path} is truncated or corrupt: {_first_line(error)}"
+        message = f"{path} is truncated or corrupt: {first_line(error)}"
         raise CheckpointError(message) from error
 
 

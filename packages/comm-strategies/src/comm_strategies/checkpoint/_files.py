@@ -1,14 +1,14 @@
-"""Writing and reading the checkpoint's files: private, atomic, safe to load; among them
-each rank's random generator states (``rng/rank_N.json``)."""
+"""Writing the checkpoint's files (private, atomic), and each rank's random generator
+states (``rng/rank_N.json``): taken, written, read back checked, and set. Reading torch
+files safely is `_reading`'s."""
 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
-import pickle
 import random
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -17,6 +17,7 @@ import torch
 
 from ._errors import CheckpointError
 from ._layout import RNG_FOLDER
+from ._reading import first_line, load_tensor_file
 
 
 def fsync_enabled() -> bool:
@@ -27,12 +28,6 @@ def fsync_enabled() -> bool:
     cut too, at the price of waiting for the disk.
     """
     return os.environ.get("COMM_CHECKPOINT_FSYNC", "0").lower() in ("1", "true", "yes", "on")
-
-
-UNSAFE_HINT = (
-    "Load it only if you trust its source, with allow_unsafe_pickle=True (it runs "
-    "torch.load(weights_only=False), which can execute code stored in the file)"
-)
 
 
 def save_tensor_file(obj: Any, path: Path) -> None:
@@ -97,61 +92,108 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Set the generators from a `capture_rng` result (NumPy's and CUDA's when present
-    here), or from the torch file of layout version 1 (`read_rng_file` reads both)."""
-    python = state["python"]
-    internal = python["state"]
-    internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal  # version 1
-    random.setstate((python["version"], tuple(internal), python.get("gauss")))
-    torch.set_rng_state(_decode(state["torch"]))
+    """Set the generators from a `read_rng_file` result (NumPy's and CUDA's when present
+    here); nothing in it can fail half-way, `read_rng_file` checked every state."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
     numpy = _numpy()
     if numpy is not None and "numpy" in state:
-        saved = state["numpy"]
-        keys = numpy.asarray(saved["keys"], dtype="uint32")  # a tensor in version 1
-        rest = (saved["pos"], saved["has_gauss"], saved["cached_gaussian"])
-        numpy.random.set_state((saved["kind"], keys, *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        states = state["cuda"][: torch.cuda.device_count()]
-        torch.cuda.set_rng_state_all([_decode(device) for device in states])
+        numpy.random.set_state(state["numpy"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 def read_rng_file(folder: Path, rank: int, *, allow_unsafe_pickle: bool = False) -> dict[str, Any]:
-    """``rank``'s generator states in a checkpoint folder: ``rng/rank_N.json``, or the
-    ``rng/rank_N.pt`` torch file of layout version 1.
+    """``rank``'s generator states in a checkpoint folder (`rng_json`), decoded and each
+    taken by a spare generator of its kind first, ready for `restore_rng`.
 
     Raises:
-        CheckpointError: The file is missing, truncated or corrupt.
+        CheckpointError: The file is missing, truncated or corrupt (before any generator
+            is set: a load reads it before its entry, which shares the outcome).
+    """
+    saved, numpy = rng_json(folder, rank, allow_unsafe_pickle=allow_unsafe_pickle), _numpy()
+    try:
+        python, kept = saved["python"], saved.get("numpy")
+        state: dict[str, Any] = {
+            "python": (python["version"], tuple(python["state"]), python.get("gauss")),
+            "torch": _decode(saved["torch"]),
+            "cuda": [_decode(device) for device in saved.get("cuda", [])],
+        }
+        _spare(random.Random).setstate(state["python"])
+        torch.Generator().set_state(state["torch"])
+        for device in state["cuda"] if torch.cuda.is_available() else []:
+            torch.Generator("cuda").set_state(device)
+        if numpy is not None and kept is not None:
+            keys = numpy.asarray(kept["keys"], dtype="uint32")
+            state["numpy"] = (
+                kept["kind"],
+                keys,
+                kept["pos"],
+                kept["has_gauss"],
+                kept["cached_gaussian"],
+            )
+            _spare(numpy.random.RandomState).set_state(state["numpy"])
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError) as error:
+        raise _corrupt(rng_file(folder, rank), error) from error
+    return state
+
+
+def rng_json(folder: Path, rank: int, *, allow_unsafe_pickle: bool = False) -> dict[str, Any]:
+    """``rank``'s generator states in a checkpoint folder as `capture_rng` gives them:
+    ``rng/rank_N.json``, or the torch file ``rng/rank_N.pt`` of layout version 1.
+
+    Raises:
+        CheckpointError: The file is missing or cannot be read.
     """
     path = rng_file(folder, rank)
-    if not path.is_file() and path.with_suffix(".pt").is_file():
-        loaded = load_tensor_file(
-            path.with_suffix(".pt"), allow_unsafe_pickle=allow_unsafe_pickle, what="RNG state"
-        )
-        return dict(loaded)
+    legacy = path.with_suffix(".pt")
     try:
-        state = json.loads(path.read_bytes())
-        if not isinstance(state, dict) or "python" not in state or "torch" not in state:
-            raise ValueError("no 'python' and 'torch' states in it")
+        if path.is_file() or not legacy.is_file():
+            state = json.loads(path.read_bytes())
+            if not isinstance(state, dict):
+                raise ValueError(f"a JSON {type(state).__name__}, not an object")
+            return state
+        old = load_tensor_file(legacy, allow_unsafe_pickle=allow_unsafe_pickle, what="RNG state")
+        python, numpy = old["python"], old.get("numpy")
+        state = {
+            "python": {
+                "version": python["version"],
+                "state": python["state"].tolist(),
+                "gauss": python.get("gauss"),
+            },
+            "torch": _encode(old["torch"]),
+        }
+        if numpy is not None:
+            state["numpy"] = {**numpy, "keys": numpy["keys"].tolist()}
+        if "cuda" in old:
+            state["cuda"] = [_encode(device) for device in old["cuda"]]
+        return state
     except FileNotFoundError:
-        message = f"RNG state {path} does not exist"
+        message = f"RNG state {path} (or {legacy.name}, layout version 1) does not exist"
         raise CheckpointError(message) from None
-    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeError are ValueErrors
-        message = (
-            f"RNG state {path} is truncated or corrupt ({_first_line(error)}). Load an "
-            "earlier checkpoint, or pass load_rng=False to keep this rank's generators."
-        )
-        raise CheckpointError(message) from error
-    return state
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise _corrupt(path, error) from error
+
+
+@functools.cache
+def _spare(kind: Any) -> Any:
+    """One generator of ``kind`` kept for checking states (making one costs more)."""
+    return kind(0)
+
+
+def _corrupt(path: Path, error: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"RNG state {path} is truncated or corrupt ({first_line(error)}). Load an "
+        "earlier checkpoint, or pass load_rng=False to keep this rank's generators."
+    )
 
 
 def _encode(state: torch.Tensor) -> str:
     return base64.b64encode(state.numpy().tobytes()).decode("ascii")
 
 
-def _decode(state: str | torch.Tensor) -> torch.Tensor:
-    if isinstance(state, torch.Tensor):  # layout version 1
-        return state
-    return torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8)
+def _decode(state: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(state, validate=True)), dtype=torch.uint8)
 
 
 def _numpy() -> Any:
@@ -160,211 +202,3 @@ def _numpy() -> Any:
     except ImportError:
         return None
     return numpy
-
-
-def numpy_safe_globals() -> list[Any]:
-    """NumPy's scalar, array and dtype constructors, for ``weights_only`` loading.
-
-    User state often holds NumPy numbers (MMEngine's runtime info, logged metrics). These
-    constructors rebuild values from bytes and a dtype, and run no other code, which is why
-    torch's documentation suggests allowing them.
-    """
-    numpy = _numpy()
-    if numpy is None:
-        return []
-    core = getattr(numpy, "_core", None) or numpy.core
-    allowed: list[Any] = [
-        core.multiarray.scalar,
-        core.multiarray._reconstruct,
-        numpy.ndarray,
-        numpy.dtype,
-    ]
-    dtypes = getattr(numpy, "dtypes", None)
-    if dtypes is not None:
-        allowed += [
-            value
-            for value in vars(dtypes).values()
-            if isinstance(value, type) and issubclass(value, numpy.dtype)
-        ]
-    return allowed
-
-
-def load_tensor_file(
-    path: Path, *, allow_unsafe_pickle: bool = False, mmap: bool = False, what: str = "file"
-) -> Any:
-    """``torch.load`` with ``weights_only=True`` unless the caller opted in; clear errors.
-
-    Raises:
-        CheckpointError: Missing, truncated or corrupt file, or one that needs full
-            unpickling without the opt-in.
-    """
-    if not path.is_file():
-        message = f"{what} {path} does not exist"
-        raise CheckpointError(message)
-    is_zip = zipfile.is_zipfile(path)
-    foreign = _not_a_torch_zip(path) if is_zip else _not_a_torch_file(path)
-    if foreign is not None:
-        message = (
-            f"{what} {path} is not a checkpoint: it is {foreign}. Expected a file written "
-            "by torch.save (a zip archive, or a pickle from torch before 1.6) or a comm "
-            "checkpoint folder"
-        )
-        raise CheckpointError(message)
-    try:
-        with torch.serialization.safe_globals(numpy_safe_globals()):
-            return torch.load(
-                path,
-                map_location="cpu",
-                weights_only=not allow_unsafe_pickle,
-                mmap=mmap and is_zip,
-            )
-    except pickle.UnpicklingError as error:
-        text = str(error)
-        detail = _weights_only_detail(text)
-        protocol = _legacy_protocol(path)
-        if not allow_unsafe_pickle and protocol is not None and protocol > 2:
-            message = (
-                f"{what} {path} is torch.save's legacy format (torch before 1.6, or "
-                f"_use_new_zipfile_serialization=False) written with pickle protocol "
-                f"{protocol}, which torch.load(weights_only=True) cannot read (it reads "
-                f"protocol 2, torch's default). {UNSAFE_HINT}, or save it again with "
-                "torch.save's default format."
-            )
-            raise CheckpointError(message) from error
-        if allow_unsafe_pickle or not _refused_by_weights_only(text):
-            last = [line.strip() for line in text.splitlines() if line.strip()]
-            message = (
-                f"{what} {path} is truncated or corrupt: it cannot be unpickled "
-                f"({last[-1] if last else 'no detail'}; is it a torch.save file?)"
-            )
-            raise CheckpointError(message) from error
-        message = (
-            f"{what} {path} holds objects that torch.load(weights_only=True) refuses "
-            f"({detail}). {UNSAFE_HINT}."
-        )
-        raise CheckpointError(message) from error
-    # the weights-only unpickler also stops on stray bytes (a text file) with a bare
-    # KeyError or IndexError
-    except (
-        RuntimeError,
-        EOFError,
-        OSError,
-        ValueError,
-        KeyError,
-        IndexError,
-        zipfile.BadZipFile,
-    ) as error:
-        size = path.stat().st_size
-        message = (
-            f"{what} {path} is truncated or corrupt ({size} bytes; torch.load says: "
-            f"{_first_line(error)}). Load an earlier checkpoint (find_latest skips folders "
-            "without a manifest, not damaged files inside one)."
-        )
-        raise CheckpointError(message) from error
-
-
-# What torch's weights-only unpickler says when it refuses an object (not a damaged file,
-# which it reports as an "Unsupported operand"): a class it does not allow ("Unsupported
-# global"), a function of a blocked module such as os.system ("unsupported GLOBAL
-# posix.system whose module posix is blocked"), or a call of an unknown function.
-_REFUSALS = ("unsupported global", "is blocked", "unrecognized function", "unsupported class")
-
-
-def _refused_by_weights_only(text: str) -> bool:
-    lowered = text.lower()
-    return any(mark in lowered for mark in _REFUSALS)
-
-
-def _weights_only_detail(text: str) -> str:
-    """The line of torch's weights-only error that names the refused object."""
-    for line in text.splitlines():
-        if _refused_by_weights_only(line) or "WeightsUnpickler error" in line:
-            return line.strip()
-    lines = text.strip().splitlines()
-    return lines[0] if lines else "no detail"
-
-
-# torch.save's legacy format (torch before 1.6) is a pickle that starts with this number,
-# pickled (protocol 2 by default: ``\x80\x02`` then these bytes; a later protocol frames it)
-_LEGACY_MAGIC = b"\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
-_PROBE_BYTES = 256
-
-
-def _legacy_protocol(path: Path) -> int | None:
-    """The pickle protocol of a file in torch.save's legacy format, else None."""
-    with path.open("rb") as handle:
-        head = handle.read(32)
-    return head[1] if head[:1] == b"\x80" and _LEGACY_MAGIC in head else None
-
-
-def _not_a_torch_zip(path: Path) -> str | None:
-    """What a zip archive is when torch.save did not write it (None: it may be torch's).
-
-    torch's archives hold one top folder with a ``data.pkl`` in it.
-    """
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-    except (zipfile.BadZipFile, OSError):
-        return None  # damaged: torch.load says how
-    if any(name.count("/") == 1 and name.endswith("/data.pkl") for name in names):
-        return None
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (
-        f"a zip archive that is not a torch checkpoint (it holds {shown or 'nothing'}; "
-        "torch.save writes one folder with a data.pkl in it)"
-    )
-
-
-def _not_a_torch_file(path: Path) -> str | None:
-    """What a file that is not a zip archive is (None: it may be torch's legacy pickle)."""
-    with path.open("rb") as handle:
-        head = handle.read(_PROBE_BYTES)
-    if not head:
-        return "empty (0 bytes)"
-    if head[:4] == b"PK\x03\x04":
-        return None  # a zip archive cut short (torch's, maybe): torch.load says how
-    if head[:1] == b"\x80":  # a pickle: torch's legacy format starts with its number
-        if _LEGACY_MAGIC in head[:32]:
-            return None
-        return (
-            "a Python pickle that torch.save did not write (torch's pickles, from torch "
-            "before 1.6, start with torch's magic number; torch.load cannot read this one, "
-            "even with allow_unsafe_pickle=True). If it holds a state dict and you trust "
-            "it, unpickle it yourself and pass the dict to load_full_model_state_dict"
-        )
-    if head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:
-        return (
-            "a safetensors file, it seems (an 8-byte header length, then JSON); read it "
-            "with safetensors.torch.load_file and pass the dict to load_full_model_state_dict"
-        )
-    text = _as_text(head, complete=len(head) < _PROBE_BYTES)
-    if text is None:
-        return f"binary data of another format (it starts with {head[:8]!r})"
-    first = text.strip().splitlines()[0][:40] if text.strip() else ""
-    return f"a text file (it starts with {first!r})" if first else "a text file (blank)"
-
-
-# Control characters a text file may hold (tab, line feed, vertical tab, form feed, return)
-_TEXT_CONTROLS = frozenset("\t\n\v\f\r")
-
-
-def _as_text(head: bytes, complete: bool) -> str | None:
-    """``head`` decoded as UTF-8 text, or None for binary data: bytes that do not decode
-    (a character cut by the end of the probe is not counted, unless the file ends there)
-    or control characters that text does not hold (NUL, backspace...)."""
-    try:
-        text = head.decode("utf-8")
-    except UnicodeDecodeError as error:
-        cut = error.reason == "unexpected end of data" and error.end == len(head)
-        if complete or not cut:
-            return None
-        text = head[: error.start].decode("utf-8")
-    if any((ch < " " and ch not in _TEXT_CONTROLS) or ch == "\x7f" for ch in text):
-        return None
-    return text
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__

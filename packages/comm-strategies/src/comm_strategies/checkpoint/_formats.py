@@ -20,7 +20,7 @@ from comm_wrappers.backends import Backend, describe_params
 from ._consensus import Attempts, where
 from ._deepspeed_records import safe_load
 from ._errors import CheckpointError
-from ._files import load_tensor_file, save_tensor_file
+from ._files import save_tensor_file
 from ._format_common import (
     LoadRequest,
     Optimizers,
@@ -32,6 +32,7 @@ from ._format_dcp import DcpFormat
 from ._layout import DS_FOLDER, DS_TAG, MODEL_FILE, OPTIM_FILE
 from ._manifest import Manifest
 from ._params import check_against
+from ._reading import load_tensor_file
 
 
 class FullFormat:

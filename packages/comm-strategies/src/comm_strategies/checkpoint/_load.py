@@ -27,11 +27,12 @@ from . import _deepspeed_files as ds_files
 from . import _publish
 from ._consensus import Call
 from ._errors import CheckpointError
-from ._files import load_tensor_file, read_rng_file, restore_rng
+from ._files import read_rng_file, restore_rng
 from ._format_common import LoadRequest, load_full_model
 from ._formats import FORMATS, load_native_folder
 from ._layout import DEFAULT_KEY, EXTRA_FILE, SCALER_FILE, SCHEDULERS_FILE
 from ._manifest import MANIFEST_NAME, Manifest, read_manifest
+from ._reading import load_tensor_file
 
 
 def load_checkpoint(
