@@ -26,7 +26,7 @@ from comm_strategies.checkpoint import (
     read_manifest,
     save_checkpoint,
 )
-from comm_strategies.checkpoint import _deepspeed_files as ds_files
+from comm_strategies.checkpoint import _deepspeed_records as ds_files
 from comm_strategies.checkpoint._deepspeed_offline import read_folder
 from comm_wrappers import OptimWrapper
 from tests.wrappers.net import BATCH, Net, batch, global_batch

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from ._files import fsync_enabled
+from ._files import write_private
 
 
 class Progress:
@@ -74,17 +72,7 @@ def _nbytes(state: Any) -> int:
 def save_with_progress(obj: Any, path: Path, *, progress: bool, label: str) -> None:
     """``torch.save`` to a private file through a temporary name, with a progress bar."""
     bar = Progress(label, _nbytes(obj), enabled=progress)
-    partial = path.with_name(path.name + f".partial-{uuid.uuid4().hex[:8]}")
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        with os.fdopen(descriptor, "wb") as handle:
-            torch.save(obj, _CountingWriter(handle, bar))  # type: ignore[arg-type]
-            handle.flush()
-            if fsync_enabled():
-                os.fsync(handle.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+        write_private(path, lambda handle: torch.save(obj, _CountingWriter(handle, bar)))  # type: ignore[arg-type]
     finally:
         bar.close()

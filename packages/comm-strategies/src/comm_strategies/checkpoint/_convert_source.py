@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from .._names import strip_prefixes
-from . import _deepspeed_files as ds_files
 from . import _deepspeed_offline as ds_offline
+from . import _deepspeed_records as ds_files
 from ._errors import CheckpointError
 from ._format_dcp import read_dcp_full
 from ._layout import DEFAULT_KEY, DS_FOLDER, DS_TAG, MODEL_FILE, OPTIM_FILE

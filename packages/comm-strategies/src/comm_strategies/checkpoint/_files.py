@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import random
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -33,25 +34,31 @@ def fsync_enabled() -> bool:
 def save_tensor_file(obj: Any, path: Path) -> None:
     """``torch.save`` to a private file (0600), through a temporary name and a rename (its
     folder created, private, when missing)."""
-    _write_private(path, lambda handle: torch.save(obj, handle))
+    write_private(path, lambda handle: torch.save(obj, handle))
 
 
 def write_json(obj: Any, path: Path, *, compact: bool = False) -> None:
     """Write JSON as `save_tensor_file` writes; ``compact``: on one line, keys unsorted."""
     text = json.dumps(obj) if compact else json.dumps(obj, indent=1, sort_keys=True)
-    _write_private(path, lambda handle: handle.write(text.encode() + b"\n"))
+    write_private(path, lambda handle: handle.write(text.encode() + b"\n"))
 
 
-def _write_private(path: Path, write: Callable[[BinaryIO], object]) -> None:
+def write_private(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write`` a private file (0600) under a unique temporary name, removed if it fails,
+    then renamed to ``path`` (its folder created, private, when missing)."""
     path.parent.mkdir(mode=0o700, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.partial-{uuid.uuid4().hex[:8]}")
     descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "wb") as handle:
-        write(handle)
-        handle.flush()
-        if fsync_enabled():
-            os.fsync(handle.fileno())
-    os.replace(partial, path)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            write(handle)
+            handle.flush()
+            if fsync_enabled():
+                os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def save_file(obj: Any, path: Path) -> None:

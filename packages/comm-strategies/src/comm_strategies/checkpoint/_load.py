@@ -23,7 +23,7 @@ import comm_collectives as dist
 from comm_wrappers.backends import Backend, backend_of
 
 from .._build import scalers_of, torch_optimizers
-from . import _deepspeed_files as ds_files
+from . import _deepspeed_records as ds_files
 from . import _publish
 from ._consensus import Call
 from ._errors import CheckpointError
