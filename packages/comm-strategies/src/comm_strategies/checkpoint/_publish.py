@@ -147,19 +147,20 @@ def not_ours(folder: Path, manifest: Manifest | None = None) -> list[str]:
     listed = set((manifest or read_manifest(folder)).files) | {MANIFEST_NAME}
     parents = {str(Path(name).parent) for name in listed}
     parents |= {str(p) for name in listed for p in Path(name).parents}
-    foreign = []
-    for root, folders, files in os.walk(folder):  # links are listed, not followed
-        here = Path(root)
-        for name in sorted(folders + files):
-            path = here / name
-            relative = str(path.relative_to(folder))
-            if path.is_symlink():
-                foreign.append(relative + "@")
-            elif path.is_dir():
-                if relative not in parents and not any(path.iterdir()):
-                    foreign.append(relative + "/")
-            elif relative not in listed:
-                foreign.append(relative)
+    foreign, pending = [], [(str(folder), "")]
+    while pending:  # links are listed, not followed
+        here, prefix = pending.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                relative = prefix + entry.name
+                if entry.is_symlink():
+                    foreign.append(relative + "@")
+                elif entry.is_dir(follow_symlinks=False):
+                    pending.append((entry.path, relative + "/"))
+                    if relative not in parents and not any(Path(entry.path).iterdir()):
+                        foreign.append(relative + "/")
+                elif relative not in listed:
+                    foreign.append(relative)
     return sorted(foreign)
 
 
