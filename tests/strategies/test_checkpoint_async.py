@@ -401,10 +401,20 @@ def test_resume_takes_the_async_save_still_committing(tmp_path: Path) -> None:
 def test_a_call_on_the_pending_saves_own_thread_does_not_wait_for_itself(tmp_path: Path) -> None:
     from comm_strategies.checkpoint import _consensus
 
-    handle = SaveHandle(tmp_path / "pending")  # never ends
-    _consensus.in_background(handle, threading.current_thread())
+    handle = SaveHandle(tmp_path / "pending")  # ends only when the test ends it
+    returned = threading.Event()
+
+    def the_saves_thread() -> None:
+        _consensus.in_background(handle, threading.current_thread())
+        _consensus.wait_previous()  # must return at once on the save's own thread
+        returned.set()
+
+    thread = threading.Thread(target=the_saves_thread, daemon=True)
+    thread.start()
     try:
-        _consensus.wait_previous()  # returns at once on the save's own thread
+        assert returned.wait(timeout=10), "wait_previous waited for its own thread"
         assert not handle.done()
     finally:
+        handle._end(None)  # a thread stuck in the wait ends too
+        thread.join(timeout=10)
         _consensus._background = None

@@ -28,7 +28,7 @@ _SOON_S = 0.05  # how long the keys are checked before the store's own wait
 _POLL_S = 0.0002
 # the longest interval between two checks of a polling wait: in its first second (the
 # others usually end soon: a published save is seen soon after), then later on
-_POLL_LONGEST_S = (0.01, 0.05)
+_POLL_FIRST_S, _POLL_LATER_S = 0.01, 0.05
 _LONGEST_S = 1e9  # a longer wait overflows the store's milliseconds: about 31 years is enough
 _ENCODING = "utf-8"
 
@@ -90,7 +90,7 @@ def _poll(store: Store, keys: Sequence[str], deadline: float) -> list[int]:
         if time.monotonic() > deadline:
             return [index for index, key in enumerate(keys) if not store.check([key])]
         time.sleep(delay)
-        delay = min(delay * 2, _POLL_LONGEST_S[time.monotonic() > later])
+        delay = min(delay * 2, _POLL_FIRST_S if time.monotonic() < later else _POLL_LATER_S)
     return []
 
 

@@ -29,15 +29,15 @@ class CheckpointMixin:
     param_schedulers: list[Any]
     _work_dir: Path | None
     _prepared: bool
+    _backend: Backend | None = None  # the model's adapter, kept by `_model_backend`
 
     def _model_backend(self) -> Backend:
         """The prepared model's backend adapter, decided once per model, not at every save
         and load (again when ``self.model`` is another object; a model wrapped in place
         after `prepare`, which no strategy does, would keep its first adapter)."""
-        backend: Backend | None = self.__dict__.get("_backend")
-        if backend is None or backend.model is not self.model:
-            backend = self.__dict__["_backend"] = backend_of(self.model)
-        return backend
+        if self._backend is None or self._backend.model is not self.model:
+            self._backend = backend_of(self.model)
+        return self._backend
 
     def _require_prepared(self, what: str) -> None:
         if not self._prepared:

@@ -2,7 +2,7 @@
 
 Saving and loading them natively is the model's backend adapter's
 (``Backend.native_checkpoint``); what is here knows the files only: a folder's tag and
-layout (`find_tag`, `split_folder`, `native_layout`, `consolidate`), the safe loaders
+layout (`find_tag`, `split_folder`, `native_layout`), the safe loaders
 (`deepspeed_safe_globals`, `safe_load` for a native load), and what every
 layout reader of ``_deepspeed_offline`` shares: ``DeepSpeedState`` (what a folder
 holds, full), ``load_file`` (``torch.load(weights_only=True)`` with DeepSpeed's few record
@@ -224,22 +224,6 @@ def split_folder(folder: Path) -> tuple[Path, str]:
     if _has_states(folder):
         return folder.parent, folder.name
     return folder, find_tag(folder)
-
-
-def consolidate(folder: Path, *, allow_unsafe_pickle: bool) -> dict[str, torch.Tensor]:
-    """One full fp32 state dict from a DeepSpeed checkpoint folder, offline (ZeRO 0-3).
-
-    Read safely (``weights_only=True``, DeepSpeed's record classes allowed) by
-    ``_deepspeed_offline``: the fp32 masters joined and cut by the recorded shapes, the
-    buffers from the module state. ``allow_unsafe_pickle`` is needed only for files that
-    hold objects beyond DeepSpeed's plain records.
-    """
-    from ._deepspeed_offline import read_folder
-
-    save_dir, tag = split_folder(folder)
-    return read_folder(
-        save_dir / tag, optimizer=False, allow_unsafe_pickle=allow_unsafe_pickle
-    ).model
 
 
 def native_layout(folder: Path) -> tuple[int | None, int | None]:
