@@ -28,7 +28,7 @@ from comm_strategies.checkpoint import (
 )
 from comm_strategies.checkpoint import _deepspeed_records as ds_files
 from comm_strategies.checkpoint._deepspeed_offline import read_folder
-from comm_wrappers import OptimWrapper
+from comm_wrappers import OptimWrapper, OptimWrapperDict
 from tests.wrappers.net import BATCH, Net, batch, global_batch
 
 FP32 = ["zero0", "zero1", "zero2", "zero3"]
@@ -410,6 +410,33 @@ def test_full_and_sharded_load_into_a_plain_module_with_optimizer_of(
         assert max_diff(moments, truth[key]) == 0.0
     assert {float(optimizer.state[p]["step"]) for p in params.values()} == {2.0}
     assert optimizer.param_groups[0]["lr"] == 0.01
+
+
+def test_deepspeeds_own_folder_refuses_two_optimizers_and_loads_the_weights(saved: Path) -> None:
+    """DeepSpeed's folder holds one optimizer: a wrapper of two is refused before anything
+    loads, with the folder, the stage, the world and the way out; the weights then load."""
+    truth = truth_of(saved, "zero1")
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    halves = (list(model.parameters())[:2], list(model.parameters())[2:])
+    wrappers = OptimWrapperDict(
+        a=OptimWrapper(torch.optim.AdamW(halves[0], lr=0.5)),
+        b=OptimWrapper(torch.optim.AdamW(halves[1], lr=0.5)),
+    )
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(saved / "zero1", model=model, optim_wrapper=wrappers)
+    message = str(caught.value)
+    assert f"{saved / 'zero1' / 'global_step2'} holds the optimizer state of DeepSpeed ZeRO-1" in (
+        message
+    )
+    assert "on 2 rank(s)" in message
+    assert "the folder holds one optimizer, the optim wrapper ['a', 'b']" in message
+    assert "load_optimizer=False" in message
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    load_checkpoint(saved / "zero1", model=model, optim_wrapper=wrappers, load_optimizer=False)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    assert max_diff(params, truth["params"]) == 0.0
 
 
 @pytest.mark.parametrize("portable", [True, False], ids=["portable-copy", "native-files-only"])

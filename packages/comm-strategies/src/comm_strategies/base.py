@@ -31,6 +31,7 @@ from ._build import (
 )
 from ._checkpointing import CheckpointMixin
 from .checkpoint import _consensus as checkpoint_calls
+from .checkpoint import _publish as checkpoint_publish
 
 __all__ = ["Strategy"]
 
@@ -107,14 +108,7 @@ class Strategy(CheckpointMixin):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             message = f"seed must be an int or None, got {seed!r}"
             raise TypeError(message)
-        if keep_last is not None and (
-            isinstance(keep_last, bool) or not isinstance(keep_last, int)
-        ):
-            message = f"keep_last must be an int or None, got {keep_last!r}"
-            raise TypeError(message)
-        if keep_last is not None and keep_last < 1:
-            message = f"keep_last must be at least 1 (None keeps every checkpoint), got {keep_last}"
-            raise ValueError(message)
+        checkpoint_publish.check_keep_last(keep_last, type(self).__name__)
         self.keep_last = keep_last
         self.activation_checkpointing = coerce_activation_checkpointing(activation_checkpointing)
         self._work_dir = None if work_dir is None else Path(work_dir)

@@ -24,11 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
-from torch.distributed.checkpoint.staging import (
-    BlockingAsyncStager,
-    DefaultStager,
-    StagingOptions,
-)
+from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 
 import comm_collectives as dist
 from comm_wrappers.backends import Backend, describe_params, quiet_torch

@@ -11,29 +11,24 @@ files are read by ``_deepspeed_offline`` with ``weights_only=True``.
 from __future__ import annotations
 
 import os
+import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import torch
 
 from comm_wrappers.backends import describe_params, quiet_torch
 
 from . import _deepspeed_offline as ds_offline
 from . import _publish
-from ._convert_progress import Progress as Progress
-from ._convert_progress import _nbytes
-from ._convert_progress import save_with_progress as save_with_progress
 from ._convert_source import Source as Source
 from ._convert_source import full_model_state_of as full_model_state_of
 from ._convert_source import read_source as read_source
 from ._errors import CheckpointError
-from ._files import rng_file, rng_json, save_tensor_file, write_json
-from ._layout import (
-    DCP_FOLDER,
-    EXTRA_FILE,
-    MODEL_FILE,
-    OPTIM_FILE,
-    SCALER_FILE,
-    SCHEDULERS_FILE,
-)
+from ._files import rng_file, rng_json, save_tensor_file, write_json, write_private
+from ._layout import DCP_FOLDER, EXTRA_FILE, MODEL_FILE, OPTIM_FILE, SCALER_FILE, SCHEDULERS_FILE
 from ._manifest import write_manifest
 from ._reading import _not_a_torch_file
 
@@ -176,12 +171,7 @@ def _copy_side_files(read: Source, folder: Path) -> dict[str, Any]:
     fields that describe them."""
     manifest, source = read.manifest, read.folder
     if manifest is None or source is None:
-        return {
-            "num_schedulers": 0,
-            "has_scaler": False,
-            "rng_ranks": [],
-            "extra_keys": [],
-        }
+        return {"num_schedulers": 0, "has_scaler": False, "rng_ranks": [], "extra_keys": []}
     for name in _SIDE_FILES:
         if (source / name).is_file():
             _copy_private(source / name, folder / name)
@@ -311,3 +301,71 @@ def _begin(dst: Path, *, deepspeed: bool = False) -> Path:
     if status != "ok":
         raise CheckpointError(f"cannot convert into {dst}: {status}")
     return temporary
+
+
+# ---------------------------------------------------------------- progress
+
+
+class Progress:
+    """A text progress bar on a stream (stderr), by bytes; silent when disabled."""
+
+    def __init__(self, label: str, total: int, *, enabled: bool, stream: IO[str] | None = None):
+        self.label = label
+        self.total = max(total, 1)
+        self.done = 0
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self._shown = -1
+        self._start = time.monotonic()
+
+    def advance(self, amount: int) -> None:
+        self.done += amount
+        percent = min(100, self.done * 100 // self.total)
+        if self.enabled and percent != self._shown:
+            self._shown = percent
+            filled = percent * 30 // 100
+            bar = "#" * filled + "." * (30 - filled)
+            mib = self.done / 2**20
+            self.stream.write(f"\r{self.label} [{bar}] {percent:3d}% {mib:,.1f} MiB")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            seconds = time.monotonic() - self._start
+            self.stream.write(f" ({seconds:.1f} s)\n")
+            self.stream.flush()
+
+
+class _CountingWriter:
+    """A binary file that reports the bytes written to a `Progress`."""
+
+    def __init__(self, handle: IO[bytes], progress: Progress) -> None:
+        self.handle = handle
+        self.progress = progress
+
+    def write(self, data: Any) -> int:
+        written = self.handle.write(data)
+        self.progress.advance(len(memoryview(data).cast("B")))
+        return written
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _nbytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    return 0
+
+
+def save_with_progress(obj: Any, path: Path, *, progress: bool, label: str) -> None:
+    """``torch.save`` to a private file through a temporary name, with a progress bar."""
+    bar = Progress(label, _nbytes(obj), enabled=progress)
+    try:
+        write_private(path, lambda handle: torch.save(obj, _CountingWriter(handle, bar)))  # type: ignore[arg-type]
+    finally:
+        bar.close()

@@ -6,7 +6,7 @@ or its universal layout) and a plain ``.pt``/``.pth`` file.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from ._errors import CheckpointError
 from ._format_dcp import read_dcp_full
 from ._layout import DEFAULT_KEY, DS_FOLDER, DS_TAG, MODEL_FILE, OPTIM_FILE
 from ._manifest import MANIFEST_NAME, Manifest, read_manifest
-from ._reading import load_tensor_file
+from ._reading import load_tensor_file, read_state_dict_file
 
 
 @dataclass
@@ -50,22 +50,7 @@ class Source:
 
 
 def _plain_file(source: Path, unsafe: bool) -> dict[str, torch.Tensor]:
-    data = load_tensor_file(source, allow_unsafe_pickle=unsafe, mmap=True, what="checkpoint")
-    if isinstance(data, Mapping) and isinstance(data.get("state_dict"), Mapping):
-        data = data["state_dict"]
-    elif isinstance(data, Mapping) and isinstance(data.get("module"), Mapping):
-        data = data["module"]
-    if not isinstance(data, Mapping) or not any(isinstance(v, torch.Tensor) for v in data.values()):
-        kind = (
-            f"a dict with keys {sorted(map(str, data))[:8]}"
-            if isinstance(data, Mapping)
-            else (f"a {type(data).__name__}")
-        )
-        message = (
-            f"{source} holds no state dict: expected {{name: tensor}} or "
-            f"{{'state_dict': {{name: tensor}}}}, got {kind}"
-        )
-        raise CheckpointError(message)
+    data = read_state_dict_file(source, allow_unsafe_pickle=unsafe)
     return strip_prefixes({k: v for k, v in data.items() if isinstance(v, torch.Tensor)})
 
 
@@ -113,26 +98,19 @@ def read_source(
         "world_size": manifest.world_size,
     }
     want_optim = optimizer and manifest.has_optimizer
+    optim: dict[str, Any] = {}
     if manifest.format == "dcp":
         full = read_dcp_full(source)
-        optim = dict(full.get("optim", {})) if want_optim else {}
+        if want_optim:
+            optim = dict(full.get("optim", {}))
         return Source(model=dict(full["model"]), optim=optim, **common)
     portable = manifest.format == "full" or (source / MODEL_FILE).is_file()
     if portable:  # format full, or a DeepSpeed folder with its portable copy beside
-        model = load_tensor_file(
-            source / MODEL_FILE, allow_unsafe_pickle=unsafe, mmap=True, what="model state"
-        )
-        optim = {}
+        load = functools.partial(load_tensor_file, allow_unsafe_pickle=unsafe, mmap=True)
+        model = dict(load(source / MODEL_FILE, what="model state"))
         if want_optim and (source / OPTIM_FILE).is_file():
-            optim = dict(
-                load_tensor_file(
-                    source / OPTIM_FILE,
-                    allow_unsafe_pickle=unsafe,
-                    mmap=True,
-                    what="optimizer state",
-                )
-            )
-        return Source(model=dict(model), optim=optim, **common)
+            optim = dict(load(source / OPTIM_FILE, what="optimizer state"))
+        return Source(model=model, optim=optim, **common)
     read = _deepspeed_source(source / DS_FOLDER / DS_TAG, optimizer=want_optim, unsafe=unsafe)
     return Source(model=read.model, optim=read.optim, deepspeed=read.deepspeed, **common)
 

@@ -3,7 +3,7 @@ optimizer states through the backend adapter."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,18 +67,6 @@ def load_full_model(
     return skipped
 
 
-def cannot_move_error(
-    manifest: Manifest, source: Path, backend: Backend, why: str
-) -> CheckpointError:
-    message = (
-        f"{source} holds {manifest.format!r} optimizer state saved under "
-        f"{manifest.strategy} ({manifest.wrapper}, world size {manifest.world_size}), which "
-        f"cannot load into this {backend.kind} model: {why}. Pass load_optimizer=False to "
-        "load the weights (and schedulers, RNG, user state) only."
-    )
-    return CheckpointError(message)
-
-
 def load_full(
     backend: Backend,
     model_state: Mapping[str, Any],
@@ -96,7 +84,24 @@ def load_full(
     if not request.optimizers:
         return
     states = optim_states() if callable(optim_states) else optim_states
-    for key, optimizer in request.optimizers.items():
+    load_full_optimizers(
+        backend, states, request.optimizers, source, params, skipped, request.strict
+    )
+
+
+def load_full_optimizers(
+    backend: Backend,
+    states: Mapping[str, Any],
+    optimizers: Optimizers,
+    source: str,
+    params: Mapping[str, list[Any]],
+    skipped: Sequence[str] = (),
+    strict: bool = True,
+) -> None:
+    """Load each optimizer's full state (``states``, by the optimizers' keys) once its
+    names and param groups are checked against the model's ``params`` (its
+    `Backend.param_shapes`; ``skipped``: left out of a ``strict=False`` load)."""
+    for key, optimizer in optimizers.items():
         state = fit_optimizer_state(
             states[key],
             params,
@@ -104,10 +109,10 @@ def load_full(
             f"{source} ({key})",
             groups=backend.optimizer_groups(optimizer),
             own_groups=optimizer.param_groups,
-            strict=request.strict,
+            strict=strict,
         )
         try:
-            backend.load_optim_state(optimizer, state, full=True, strict=request.strict)
+            backend.load_optim_state(optimizer, state, full=True, strict=strict)
         except ValueError as caught:  # the backend's refusal: about this checkpoint
             message = f"{source} ({key}) does not fit this optimizer: {caught}"
             raise CheckpointError(message) from caught
@@ -116,6 +121,13 @@ def load_full(
 def check_portable(
     manifest: Manifest, source: Path, backend: Backend, request: LoadRequest
 ) -> None:
+    """Raise when the optimizer state to load has no per-parameter full form here."""
     why = backend.optimizer_not_portable()
     if request.optimizers and why is not None:
-        raise cannot_move_error(manifest, source, backend, why)
+        message = (
+            f"{source} holds {manifest.format!r} optimizer state saved under "
+            f"{manifest.strategy} ({manifest.wrapper}, world size {manifest.world_size}), "
+            f"which cannot load into this {backend.kind} model: {why}. Pass "
+            "load_optimizer=False to load the weights (and schedulers, RNG, user state) only."
+        )
+        raise CheckpointError(message)

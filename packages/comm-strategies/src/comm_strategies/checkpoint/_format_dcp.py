@@ -21,12 +21,7 @@ from comm_wrappers.backends import Backend, describe_params, quiet_torch
 
 from ._consensus import Attempts
 from ._errors import CheckpointError
-from ._format_common import (
-    LoadRequest,
-    Optimizers,
-    check_portable,
-    load_full,
-)
+from ._format_common import LoadRequest, Optimizers, check_portable, load_full
 from ._layout import DCP_FOLDER
 from ._manifest import Manifest
 from ._params import check_against, fit_optimizer_groups

@@ -10,7 +10,6 @@ share in ``_format_common``). Writers and readers call the model's backend adapt
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,13 +20,7 @@ from ._consensus import Attempts, where
 from ._deepspeed_records import safe_load
 from ._errors import CheckpointError
 from ._files import save_tensor_file
-from ._format_common import (
-    LoadRequest,
-    Optimizers,
-    cannot_move_error,
-    check_portable,
-    load_full,
-)
+from ._format_common import LoadRequest, Optimizers, check_portable, load_full
 from ._format_dcp import DcpFormat
 from ._layout import DS_FOLDER, DS_TAG, MODEL_FILE, OPTIM_FILE
 from ._manifest import Manifest
@@ -148,15 +141,8 @@ class DeepSpeedFormat:
     def _native(
         self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
     ) -> None:
-        load_native_folder(
-            source / DS_FOLDER,
-            DS_TAG,
-            (manifest.zero_stage, manifest.world_size),
-            backend,
-            request,
-            cannot_move=lambda why: cannot_move_error(manifest, source, backend, why),
-            load_optimizer=bool(request.optimizers),
-        )
+        layout = (manifest.zero_stage, manifest.world_size)
+        load_native_folder(source / DS_FOLDER, DS_TAG, layout, backend, request)
 
 
 def load_native_folder(
@@ -165,20 +151,18 @@ def load_native_folder(
     layout: tuple[int | None, int | None],
     backend: Backend,
     request: LoadRequest,
-    *,
-    cannot_move: Callable[[str], CheckpointError],
-    load_optimizer: bool,
+    load_optimizer: bool | None = None,
 ) -> None:
     """A DeepSpeed folder saved with ``layout`` = (ZeRO stage, world size): natively into a
     model whose ``backend.native_checkpoint()`` fits it, else read offline into full
     states (fp32 masters and the optimizer state keyed by names) and loaded as a full
     checkpoint.
 
-    ``load_optimizer`` is what a native load loads: DeepSpeed's model owns its optimizer,
-    so a folder of DeepSpeed's own loads it even without an optimizer wrapper passed; the
-    optimizers of ``request`` are those that must move (one: DeepSpeed has one). DeepSpeed
-    reads its files with ``weights_only=True`` (`safe_load`) unless
-    ``request.allow_unsafe_pickle``.
+    ``load_optimizer`` is what a native load loads (default: whether ``request`` has
+    optimizers): DeepSpeed's model owns its optimizer, so a folder of DeepSpeed's own
+    loads it even without an optimizer wrapper passed; the optimizers of ``request`` are
+    those that must move (one: DeepSpeed has one). DeepSpeed reads its files with
+    ``weights_only=True`` (`safe_load`) unless ``request.allow_unsafe_pickle``.
     """
     stage, world = layout
     unsafe = request.allow_unsafe_pickle
@@ -188,22 +172,23 @@ def load_native_folder(
             save_dir,
             tag,
             strict=request.strict,
-            load_optimizer=load_optimizer,
+            load_optimizer=bool(request.optimizers) if load_optimizer is None else load_optimizer,
             torch_load=None if unsafe else safe_load,
         )
         if not loaded:
             message = f"DeepSpeed could not load {save_dir} (tag {tag!r}) on {where()}"
             raise CheckpointError(message)
         return
-    not_portable = backend.optimizer_not_portable()
-    if request.optimizers and not_portable is not None:
-        raise cannot_move(not_portable)
+    why = backend.optimizer_not_portable() if request.optimizers else None
     if len(request.optimizers) > 1:
-        why = (
-            f"a DeepSpeed folder holds one optimizer, the optim wrapper has "
-            f"{sorted(request.optimizers)}"
+        why = f"the folder holds one optimizer, the optim wrapper {sorted(request.optimizers)}"
+    if why is not None:
+        message = (
+            f"{save_dir / tag} holds the optimizer state of DeepSpeed ZeRO-{stage} on {world} "
+            f"rank(s), which cannot load into this {backend.kind} model: {why}. Pass "
+            "load_optimizer=False to load the weights only."
         )
-        raise cannot_move(why)
+        raise CheckpointError(message)
     from ._deepspeed_offline import read_folder
 
     state = read_folder(

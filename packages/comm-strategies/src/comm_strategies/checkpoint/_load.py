@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from ._format_common import LoadRequest, load_full_model
 from ._formats import FORMATS, load_native_folder
 from ._layout import DEFAULT_KEY, EXTRA_FILE, SCALER_FILE, SCHEDULERS_FILE
 from ._manifest import MANIFEST_NAME, Manifest, read_manifest
-from ._reading import load_tensor_file
+from ._reading import load_tensor_file, read_state_dict_file
 
 
 def load_checkpoint(
@@ -198,21 +198,8 @@ def _saved_optimizers(
 
 
 def _load_plain_file(source: Path, backend: Backend, request: LoadRequest) -> None:
-    data = load_tensor_file(
-        source, allow_unsafe_pickle=request.allow_unsafe_pickle, mmap=True, what="checkpoint"
-    )
-    if isinstance(data, Mapping) and isinstance(data.get("state_dict"), Mapping):
-        data = data["state_dict"]
-    elif isinstance(data, Mapping) and isinstance(data.get("module"), Mapping):
-        data = data["module"]  # DeepSpeed's mp_rank_00_model_states.pt
-    if not isinstance(data, Mapping) or not any(isinstance(v, torch.Tensor) for v in data.values()):
-        got = f"a dict with keys {sorted(map(str, data))[:8]}" if isinstance(data, Mapping) else ""
-        message = (
-            f"{source} holds no state dict: expected {{name: tensor}} or "
-            f"{{'state_dict': {{name: tensor}}}}, got {got or f'a {type(data).__name__}'}"
-        )
-        raise CheckpointError(message)
-    load_full_model(backend, data, request.strict, str(source))
+    state = read_state_dict_file(source, allow_unsafe_pickle=request.allow_unsafe_pickle)
+    load_full_model(backend, state, request.strict, str(source))
 
 
 def _load_deepspeed_folder(
@@ -221,26 +208,8 @@ def _load_deepspeed_folder(
     """DeepSpeed's own folder: natively into a model whose backend's native_checkpoint()
     fits it, else read offline (fp32 masters and optimizer state) into any model."""
     save_dir, tag = ds_files.split_folder(source)
-    stage, world = ds_files.native_layout(save_dir / tag)
-
-    def cannot_move(why: str) -> CheckpointError:
-        message = (
-            f"{source} is a DeepSpeed ZeRO-{stage} checkpoint of {world} rank(s); its "
-            f"optimizer state cannot load into this {backend.kind} model: {why}. Pass "
-            "load_optimizer=False to load the weights only."
-        )
-        return CheckpointError(message)
-
-    layout = (stage, world)
-    load_native_folder(
-        save_dir,
-        tag,
-        layout,
-        backend,
-        request,
-        cannot_move=cannot_move,
-        load_optimizer=load_optimizer,
-    )
+    layout = ds_files.native_layout(save_dir / tag)
+    load_native_folder(save_dir, tag, layout, backend, request, load_optimizer)
 
 
 def _load_scalers(source: Path, optim_wrapper: Any, unsafe: bool) -> None:

@@ -69,7 +69,7 @@ def check_against(
 def fit_optimizer_state(
     state: Mapping[str, Any],
     params: Mapping[str, Any],
-    skipped: list[str],
+    skipped: Sequence[str],
     source: str,
     *,
     groups: list[list[str]] | None = None,

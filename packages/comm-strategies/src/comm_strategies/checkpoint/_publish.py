@@ -232,6 +232,22 @@ def is_whole(folder: Path, files: dict[str, int]) -> bool:
         return False
 
 
+def check_keep_last(keep_last: int | None, caller: str) -> None:
+    """Raise when ``keep_last`` is neither None nor an int of at least 1."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)):
+        message = (
+            f"{caller}: keep_last must be an int or None, got {keep_last!r} "
+            f"({type(keep_last).__name__})"
+        )
+        raise TypeError(message)
+    if keep_last is not None and keep_last < 1:
+        message = (
+            f"{caller}: keep_last must be at least 1 (the new checkpoint is always kept), "
+            f"got {keep_last}; pass None to keep every checkpoint"
+        )
+        raise ValueError(message)
+
+
 def retain(final: Path, keep_last: int) -> list[Path]:
     """Remove the older checkpoints next to ``final``, keeping the newest ``keep_last``.
 

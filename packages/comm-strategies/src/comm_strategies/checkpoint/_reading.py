@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,30 @@ def load_tensor_file(
 # global"), a function of a blocked module such as os.system ("unsupported GLOBAL
 # posix.system whose module posix is blocked"), or a call of an unknown function.
 _REFUSALS = ("unsupported global", "is blocked", "unrecognized function", "unsupported class")
+
+
+def read_state_dict_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Mapping[str, Any]:
+    """A plain weights file's state dict: a bare ``{name: tensor}``, MMEngine's
+    ``{"state_dict": ...}`` or DeepSpeed's ``{"module": ...}`` (``mp_rank_00_model_states.pt``).
+
+    Raises:
+        CheckpointError: The file cannot be read (`load_tensor_file`) or holds no tensor.
+    """
+    data = load_tensor_file(
+        path, allow_unsafe_pickle=allow_unsafe_pickle, mmap=True, what="checkpoint"
+    )
+    for key in ("state_dict", "module"):
+        if isinstance(data, Mapping) and isinstance(data.get(key), Mapping):
+            data = data[key]
+            break
+    if not isinstance(data, Mapping) or not any(isinstance(v, torch.Tensor) for v in data.values()):
+        got = f"a dict with keys {sorted(map(str, data))[:8]}" if isinstance(data, Mapping) else ""
+        message = (
+            f"{path} holds no state dict: expected {{name: tensor}} or "
+            f"{{'state_dict': {{name: tensor}}}}, got {got or f'a {type(data).__name__}'}"
+        )
+        raise CheckpointError(message)
+    return data
 
 
 def _refused_by_weights_only(text: str) -> bool:

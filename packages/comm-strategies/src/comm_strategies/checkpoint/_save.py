@@ -155,7 +155,7 @@ def save_checkpoint(
         >>> load_checkpoint(folder, model=torch.nn.Linear(2, 1))
         {'epoch': 1}
     """
-    _check_keep_last(keep_last)
+    _publish.check_keep_last(keep_last, "save_checkpoint")
     backend = model if isinstance(model, Backend) else backend_of(model)
     fmt = backend.format_for(sharded)
     optimizers = torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY)
@@ -309,18 +309,3 @@ def _keys_of(extra: Any) -> list[str]:
         return sorted(str(key) for key in dict(extra or {}))
     except (TypeError, ValueError):
         return []
-
-
-def _check_keep_last(keep_last: int | None) -> None:
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)):
-        message = (
-            f"save_checkpoint: keep_last must be an int or None, got {keep_last!r} "
-            f"({type(keep_last).__name__})"
-        )
-        raise TypeError(message)
-    if keep_last is not None and keep_last < 1:
-        message = (
-            f"save_checkpoint: keep_last must be at least 1 (the new checkpoint is always "
-            f"kept), got {keep_last}; pass None to keep every checkpoint"
-        )
-        raise ValueError(message)

@@ -12,9 +12,8 @@ from comm_wrappers.backends import Backend, backend_of
 
 from .._build import torch_optimizers
 from ._errors import CheckpointError
-from ._format_common import load_full_model
+from ._format_common import load_full_model, load_full_optimizers
 from ._layout import DEFAULT_KEY
-from ._params import fit_optimizer_state
 
 
 def refuse_unportable(backend: Backend, what: str) -> None:
@@ -135,13 +134,4 @@ def load_full_optim_state_dict(
             f"{sorted(optimizers)}: they must match"
         )
         raise CheckpointError(message)
-    params = backend.param_shapes()
-    for key, optimizer in optimizers.items():
-        state = fit_optimizer_state(
-            states[key],
-            params,
-            [],
-            f"the optimizer state ({key})",
-            groups=backend.optimizer_groups(optimizer),
-        )
-        backend.load_optim_state(optimizer, state, full=True)
+    load_full_optimizers(backend, states, optimizers, "the optimizer state", backend.param_shapes())
