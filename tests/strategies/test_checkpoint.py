@@ -33,6 +33,7 @@ from comm_strategies.checkpoint import (
     full_model_state_dict,
     full_optim_state_dict,
     load_checkpoint,
+    load_full_model_state_dict,
     load_full_optim_state_dict,
     read_manifest,
     save_checkpoint,
@@ -1018,3 +1019,18 @@ def test_the_model_s_backend_adapter_stands_for_the_model(tmp_path: Path) -> Non
     target = torch.nn.Linear(3, 2)
     load_checkpoint(by_backend, model=backend_of(target))
     assert max_diff(dict(target.state_dict()), dict(model.state_dict())) == 0.0
+    # the full-state functions too; an adapter is its own adapter
+    adapter = backend_of(target)
+    assert backend_of(adapter) is adapter
+    assert max_diff(full_model_state_dict(adapter), dict(model.state_dict())) == 0.0
+    other = torch.nn.Linear(3, 2)
+    load_full_model_state_dict(
+        backend_of(other), {"module.weight": torch.ones(2, 3), "module.bias": torch.zeros(2)}
+    )
+    assert other.weight.tolist() == [[1.0] * 3] * 2
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.25)
+    state = full_optim_state_dict(backend_of(other), optimizer)
+    assert state["param_groups"][0]["params"] == ["weight", "bias"]
+    state["param_groups"][0]["lr"] = 0.5
+    load_full_optim_state_dict(backend_of(other), optimizer, state)
+    assert optimizer.param_groups[0]["lr"] == 0.5

@@ -217,22 +217,26 @@ class CheckpointMixin:
     def model_state_dict(self) -> dict[str, Any]:
         """The full, unprefixed model state on the CPU, on every rank (collective)."""
         self._require_prepared("model_state_dict")
-        return dict(checkpoint.full_model_state_dict(self.model))
+        return dict(checkpoint.full_model_state_dict(self._model_backend()))
 
     def optim_state_dict(self) -> dict[str, Any]:
         """The full optimizer state keyed by parameter names (collective)."""
         self._require_prepared("optim_state_dict")
-        return dict(checkpoint.full_optim_state_dict(self.model, self.optim_wrapper))
+        return dict(checkpoint.full_optim_state_dict(self._model_backend(), self.optim_wrapper))
 
     def load_model_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Load a full model state (unprefixed names) into the prepared model (collective)."""
         self._require_prepared("load_model_state_dict")
-        checkpoint.load_full_model_state_dict(self.model, dict(state_dict), strict=strict)
+        checkpoint.load_full_model_state_dict(
+            self._model_backend(), dict(state_dict), strict=strict
+        )
 
     def load_optim_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full optimizer state (from `optim_state_dict`) (collective)."""
         self._require_prepared("load_optim_state_dict")
-        checkpoint.load_full_optim_state_dict(self.model, self.optim_wrapper, dict(state_dict))
+        checkpoint.load_full_optim_state_dict(
+            self._model_backend(), self.optim_wrapper, dict(state_dict)
+        )
 
     def _resolve(self, path: str | os.PathLike[str]) -> Path:
         resolved = Path(path)

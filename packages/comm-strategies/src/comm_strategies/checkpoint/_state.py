@@ -28,13 +28,14 @@ def refuse_unportable(backend: Backend, what: str) -> None:
         raise CheckpointError(message)
 
 
-def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_model_state_dict(model: nn.Module | Backend) -> dict[str, torch.Tensor]:
     """Return the model's full state dict, unprefixed, on the CPU, on every rank.
 
     Collective: every rank must call it (FSDP and ZeRO-3 gather the shards).
 
     Args:
-        model: A module, or what a strategy prepared (DDP, FSDP1, FSDP2, DeepSpeed).
+        model: A module, or what a strategy prepared (DDP, FSDP1, FSDP2, DeepSpeed), or
+            its adapter (``comm_wrappers.backends.backend_of(model)``).
 
     Returns:
         ``{name: tensor}`` with the user module's names (no ``module.`` prefix).
@@ -49,7 +50,7 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def full_optim_state_dict(model: nn.Module, optim_wrapper: Any) -> dict[str, Any]:
+def full_optim_state_dict(model: nn.Module | Backend, optim_wrapper: Any) -> dict[str, Any]:
     """Return the optimizer state, full, keyed by parameter names, on every rank.
 
     Collective. An ``OptimWrapperDict`` gives ``{key: state}`` of each of its optimizers;
@@ -77,7 +78,11 @@ def full_optim_state_dict(model: nn.Module, optim_wrapper: Any) -> dict[str, Any
 
 
 def load_full_model_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, *, source: str = ""
+    model: nn.Module | Backend,
+    state_dict: Mapping[str, Any],
+    strict: bool = True,
+    *,
+    source: str = "",
 ) -> None:
     """Load a full state dict (every rank passes it) into any prepared model.
 
@@ -86,7 +91,7 @@ def load_full_model_state_dict(
     copy is refreshed too (ZeRO 1-3), and ZeRO-3 partitions the new weights again.
 
     Args:
-        model: What a strategy prepared.
+        model: What a strategy prepared, or its adapter.
         state_dict: ``{name: tensor}``, full.
         strict: Every name of the model must be in ``state_dict`` and no other.
         source: Where the state came from, for error messages.
@@ -106,7 +111,7 @@ def load_full_model_state_dict(
 
 
 def load_full_optim_state_dict(
-    model: nn.Module, optim_wrapper: Any, state_dict: Mapping[str, Any]
+    model: nn.Module | Backend, optim_wrapper: Any, state_dict: Mapping[str, Any]
 ) -> None:
     """Load a full optimizer state keyed by parameter names (from `full_optim_state_dict`).
 

@@ -27,11 +27,12 @@ def backend_of(model: Any) -> Backend:
     tree), DTensor parameters on an N-D mesh or on several meshes (tensor parallel, FSDP2 +
     tensor parallel, HSDP), FSDP2 (a module sharded with ``fully_shard`` in the tree), DDP (a
     ``DistributedDataParallel`` in the tree: also separate DDP's children), else a plain
-    module. Nothing is cached: callers keep the adapter for the model if they like.
+    module. Nothing is cached: callers keep the adapter for the model if they like, and
+    may pass it wherever a model goes (an adapter is returned as it is).
 
     Args:
         model: What a strategy or the user prepared: a module, or a DDP, FSDP1, FSDP2 or
-            DeepSpeed wrapper.
+            DeepSpeed wrapper; or its adapter.
 
     Returns:
         A `Backend` whose ``kind`` is ``"module"``, ``"ddp"``, ``"fsdp1"``, ``"fsdp2"``,
@@ -46,6 +47,8 @@ def backend_of(model: Any) -> Backend:
         >>> backend_of(torch.nn.Linear(2, 1)).kind
         'module'
     """
+    if isinstance(model, Backend):
+        return model
     if not isinstance(model, nn.Module):
         message = (
             "model must be the nn.Module a strategy prepared, or any module to train or "
