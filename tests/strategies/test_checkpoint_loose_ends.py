@@ -159,6 +159,35 @@ def test_load_full_optim_state_dict_refuses_other_groups() -> None:
     assert [g["lr"] for g in other.param_groups] == [0.5, 0.01]
 
 
+def test_load_full_optim_state_dict_missing_a_parameter_is_a_checkpoint_error() -> None:
+    """A state without the bias's entry (its group lists only the weight): refused as a
+    CheckpointError naming the state, the parameter and the rank before the optimizer is
+    touched (torch's own check fills its state first); strict=False loads the weight's
+    state and leaves the bias without one."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state = ck.full_optim_state_dict(model, optimizer)
+    del state["state"]["bias"]
+    state["param_groups"][0]["params"] = ["weight"]
+    target = torch.nn.Linear(3, 2)
+    resumed = torch.optim.Adam(target.parameters(), lr=0.5)
+    with pytest.raises(CheckpointError) as caught:
+        ck.load_full_optim_state_dict(target, resumed, state)
+    message = str(caught.value)
+    assert message.startswith("the optimizer state does not fit this optimizer on rank 0 of 1:")
+    assert "no entry for bias" in message
+    assert "Pass strict=False" in message
+    assert not resumed.state
+    ck.load_full_optim_state_dict(target, resumed, state, strict=False)
+    assert torch.equal(
+        resumed.state[target.weight]["exp_avg"], optimizer.state[model.weight]["exp_avg"]
+    )
+    assert not resumed.state.get(target.bias)
+    assert resumed.param_groups[0]["lr"] == 0.1
+
+
 # ---- 7. a save in place keeps what comm did not write
 
 
@@ -235,6 +264,52 @@ def test_a_plain_python_pickle(tmp_path: Path) -> None:
         message = _refusal(path, allow_unsafe_pickle=unsafe)
         assert "a Python pickle that torch.save did not write" in message
         assert "corrupt" not in message
+
+
+class _WithExtraState(torch.nn.Module):
+    """A module whose state dict holds a non-tensor entry of its own (``_extra_state``)."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.tag = tag
+
+    def get_extra_state(self) -> Any:
+        return {"tag": self.tag}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.tag = state["tag"]
+
+
+def test_a_plain_file_s_entries_that_are_not_tensors(tmp_path: Path) -> None:
+    """A weights file with other entries beside the tensors (an epoch, a nested
+    ``{"state_dict": {"module": ...}}``): load and convert leave them out with a warning
+    naming the file, the entries and the user's line; a module's ``_extra_state`` loads
+    from the file, and convert (weights only) leaves it out with the same warning."""
+    source = _WithExtraState("trained")
+    weights = {k: v for k, v in source.state_dict().items() if k != "_extra_state"}
+    path = tmp_path / "weights.pt"
+    torch.save({"state_dict": {"module": {**source.state_dict(), "epoch": 3}}}, path)
+    target = _WithExtraState("new")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.load_checkpoint(path, model=target)
+    shown = [w for w in caught if "not tensors" in str(w.message)]
+    assert len(shown) == 1, [str(w.message) for w in caught]
+    assert str(shown[0].message) == (
+        f"{path}['state_dict']['module']: left out 1 entr(ies) that are not tensors: epoch"
+    )
+    assert shown[0].filename == __file__
+    assert target.tag == "trained"
+    for name, value in weights.items():
+        assert torch.equal(target.state_dict()[name], value), name
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ck.convert_checkpoint(path, tmp_path / "plain.pt")
+    shown = [w for w in caught if "not tensors" in str(w.message)]
+    assert [str(w.message).rsplit(": ", 1)[1] for w in shown] == ["_extra_state, epoch"]
+    assert shown[0].filename == __file__
+    assert sorted(torch.load(out, weights_only=True)) == sorted(weights)
 
 
 def test_torch_legacy_pickles(tmp_path: Path) -> None:

@@ -430,13 +430,45 @@ def test_deepspeeds_own_folder_refuses_two_optimizers_and_loads_the_weights(save
         message
     )
     assert "on 2 rank(s)" in message
-    assert "the folder holds one optimizer, the optim wrapper ['a', 'b']" in message
+    assert "DeepSpeed has one optimizer, the optim wrapper has ['a', 'b']" in message
     assert "load_optimizer=False" in message
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
     load_checkpoint(saved / "zero1", model=model, optim_wrapper=wrappers, load_optimizer=False)
     params = {k: v.detach() for k, v in model.named_parameters()}
     assert max_diff(params, truth["params"]) == 0.0
+
+
+def test_a_comm_deepspeed_folder_refuses_optimizer_state_that_cannot_move(
+    saved: Path, tmp_path: Path
+) -> None:
+    """A comm folder of format deepspeed without its portable copy (format version 1),
+    loaded with its optimizer into a model whose optimizer state has no portable form: the
+    refusal names the folder passed, the stage, the world, the reason and what
+    load_optimizer=False still loads; nothing is loaded."""
+    from comm_wrappers.backends import Backend
+
+    class NotPortable(Backend):
+        def optimizer_not_portable(self) -> str | None:
+            return "its optimizer keeps mixed-precision state of its own"
+
+    source = tmp_path / "epoch_3"
+    shutil.copytree(saved / "comm_zero1", source)
+    for name in ("model.pt", "optim.pt"):
+        (source / name).unlink()
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(source, model=NotPortable(model), optim_wrapper=optimizer)
+    assert str(caught.value) == (
+        f"{source} holds the optimizer state of DeepSpeed ZeRO-1 on 2 rank(s), which cannot "
+        "load into this module model: its optimizer keeps mixed-precision state of its own. "
+        "Pass load_optimizer=False to load the weights (and schedulers, RNG, user state) only."
+    )
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert not optimizer.state
 
 
 @pytest.mark.parametrize("portable", [True, False], ids=["portable-copy", "native-files-only"])

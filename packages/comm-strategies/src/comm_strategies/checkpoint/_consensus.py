@@ -19,7 +19,6 @@ caller passed one, else the longer of that and an hour (writing a large model is
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import comm_collectives as dist
 
-from ._errors import CheckpointError
+from ._errors import CheckpointError, outside_package
 
 DEFAULT_TIMEOUT_S = 300.0
 # How long the ranks wait for each other to finish writing (large models write slowly).
@@ -223,19 +222,7 @@ def wait_previous() -> None:
             f"the previous async save ({previous.path}) failed and nobody called its "
             f"wait(): {previous._error}"
         )
-        warnings.warn(message, RuntimeWarning, stacklevel=_outside_package())
-
-
-def _outside_package() -> int:
-    """The ``stacklevel`` of the first caller outside comm_strategies, for a warning of
-    the function that calls this."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    level, frame = 1, inspect.currentframe()
-    frame = frame.f_back if frame is not None else None  # the function that warns: level 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        level += 1
-        frame = frame.f_back
-    return level
+        warnings.warn(message, RuntimeWarning, stacklevel=outside_package())
 
 
 class Call:

@@ -50,8 +50,10 @@ class Source:
 
 
 def _plain_file(source: Path, unsafe: bool) -> dict[str, torch.Tensor]:
-    data = read_state_dict_file(source, allow_unsafe_pickle=unsafe)
-    return strip_prefixes({k: v for k, v in data.items() if isinstance(v, torch.Tensor)})
+    # weights only: every file convert writes loads with weights_only=True
+    return strip_prefixes(
+        read_state_dict_file(source, allow_unsafe_pickle=unsafe, keep_extra_state=False)
+    )
 
 
 def _deepspeed_source(tag_dir: Path, *, optimizer: bool, unsafe: bool) -> Source:

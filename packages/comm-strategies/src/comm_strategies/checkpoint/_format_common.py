@@ -12,8 +12,9 @@ import torch
 
 from comm_wrappers.backends import Backend, describe_params
 
-from ._consensus import Call
+from ._consensus import Call, where
 from ._errors import CheckpointError
+from ._layout import DEFAULT_KEY
 from ._manifest import Manifest
 from ._params import check_against, fit_names, fit_optimizer_state
 
@@ -102,19 +103,20 @@ def load_full_optimizers(
     names and param groups are checked against the model's ``params`` (its
     `Backend.param_shapes`; ``skipped``: left out of a ``strict=False`` load)."""
     for key, optimizer in optimizers.items():
+        named = source if list(optimizers) == [DEFAULT_KEY] else f"{source} ({key})"
         state = fit_optimizer_state(
             states[key],
             params,
             skipped,
-            f"{source} ({key})",
+            named,
             groups=backend.optimizer_groups(optimizer),
             own_groups=optimizer.param_groups,
             strict=strict,
         )
         try:
             backend.load_optim_state(optimizer, state, full=True, strict=strict)
-        except ValueError as caught:  # the backend's refusal: about this checkpoint
-            message = f"{source} ({key}) does not fit this optimizer: {caught}"
+        except (ValueError, RuntimeError) as caught:  # the backend's or torch's refusal
+            message = f"{named} does not fit this optimizer on {where()}: {caught}"
             raise CheckpointError(message) from caught
 
 

@@ -142,7 +142,7 @@ class DeepSpeedFormat:
         self, source: Path, manifest: Manifest, backend: Backend, request: LoadRequest
     ) -> None:
         layout = (manifest.zero_stage, manifest.world_size)
-        load_native_folder(source / DS_FOLDER, DS_TAG, layout, backend, request)
+        load_native_folder(source / DS_FOLDER, DS_TAG, layout, backend, request, checkpoint=source)
 
 
 def load_native_folder(
@@ -151,7 +151,9 @@ def load_native_folder(
     layout: tuple[int | None, int | None],
     backend: Backend,
     request: LoadRequest,
+    *,
     load_optimizer: bool | None = None,
+    checkpoint: Path | None = None,
 ) -> None:
     """A DeepSpeed folder saved with ``layout`` = (ZeRO stage, world size): natively into a
     model whose ``backend.native_checkpoint()`` fits it, else read offline into full
@@ -163,6 +165,7 @@ def load_native_folder(
     loads it even without an optimizer wrapper passed; the optimizers of ``request`` are
     those that must move (one: DeepSpeed has one). DeepSpeed reads its files with
     ``weights_only=True`` (`safe_load`) unless ``request.allow_unsafe_pickle``.
+    ``checkpoint``: the comm checkpoint folder holding ``save_dir``, for messages.
     """
     stage, world = layout
     unsafe = request.allow_unsafe_pickle
@@ -181,12 +184,13 @@ def load_native_folder(
         return
     why = backend.optimizer_not_portable() if request.optimizers else None
     if len(request.optimizers) > 1:
-        why = f"the folder holds one optimizer, the optim wrapper {sorted(request.optimizers)}"
+        why = f"DeepSpeed has one optimizer, the optim wrapper has {sorted(request.optimizers)}"
     if why is not None:
+        rest = " (and schedulers, RNG, user state)" if checkpoint is not None else ""
         message = (
-            f"{save_dir / tag} holds the optimizer state of DeepSpeed ZeRO-{stage} on {world} "
-            f"rank(s), which cannot load into this {backend.kind} model: {why}. Pass "
-            "load_optimizer=False to load the weights only."
+            f"{checkpoint or save_dir / tag} holds the optimizer state of DeepSpeed "
+            f"ZeRO-{stage} on {world} rank(s), which cannot load into this {backend.kind} "
+            f"model: {why}. Pass load_optimizer=False to load the weights{rest} only."
         )
         raise CheckpointError(message)
     from ._deepspeed_offline import read_folder

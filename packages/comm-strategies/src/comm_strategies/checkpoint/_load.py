@@ -209,7 +209,7 @@ def _load_deepspeed_folder(
     fits it, else read offline (fp32 masters and optimizer state) into any model."""
     save_dir, tag = ds_files.split_folder(source)
     layout = ds_files.native_layout(save_dir / tag)
-    load_native_folder(save_dir, tag, layout, backend, request, load_optimizer)
+    load_native_folder(save_dir, tag, layout, backend, request, load_optimizer=load_optimizer)
 
 
 def _load_scalers(source: Path, optim_wrapper: Any, unsafe: bool) -> None:

@@ -4,6 +4,7 @@ the caller opted in, and clear errors for a missing, truncated, foreign or legac
 from __future__ import annotations
 
 import pickle
+import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointError
+from ._errors import CheckpointError, outside_package
 
 UNSAFE_HINT = (
     "Load it only if you trust its source, with allow_unsafe_pickle=True (it runs "
@@ -128,9 +129,13 @@ def load_tensor_file(
 _REFUSALS = ("unsupported global", "is blocked", "unrecognized function", "unsupported class")
 
 
-def read_state_dict_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Mapping[str, Any]:
+def read_state_dict_file(
+    path: Path, *, allow_unsafe_pickle: bool = False, keep_extra_state: bool = True
+) -> dict[Any, Any]:
     """A plain weights file's state dict: a bare ``{name: tensor}``, MMEngine's
-    ``{"state_dict": ...}`` or DeepSpeed's ``{"module": ...}`` (``mp_rank_00_model_states.pt``).
+    ``{"state_dict": ...}`` or DeepSpeed's ``{"module": ...}`` (``mp_rank_00_model_states.pt``),
+    one inside the other too. Entries that are not tensors are left out with a warning
+    naming them, but a module's ``*_extra_state`` with ``keep_extra_state``.
 
     Raises:
         CheckpointError: The file cannot be read (`load_tensor_file`) or holds no tensor.
@@ -138,18 +143,39 @@ def read_state_dict_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Ma
     data = load_tensor_file(
         path, allow_unsafe_pickle=allow_unsafe_pickle, mmap=True, what="checkpoint"
     )
-    for key in ("state_dict", "module"):
-        if isinstance(data, Mapping) and isinstance(data.get(key), Mapping):
-            data = data[key]
+    found, where = data, ""
+    while isinstance(found, Mapping) and not any(
+        isinstance(v, torch.Tensor) for v in found.values()
+    ):
+        inner = [key for key in ("state_dict", "module") if isinstance(found.get(key), Mapping)]
+        if not inner:
             break
-    if not isinstance(data, Mapping) or not any(isinstance(v, torch.Tensor) for v in data.values()):
-        got = f"a dict with keys {sorted(map(str, data))[:8]}" if isinstance(data, Mapping) else ""
+        found, where = found[inner[0]], f"{where}[{inner[0]!r}]"
+    if not isinstance(found, Mapping) or not any(
+        isinstance(v, torch.Tensor) for v in found.values()
+    ):
+        got = (
+            f"a dict with keys {sorted(map(str, found))[:8]}" if isinstance(found, Mapping) else ""
+        )
         message = (
-            f"{path} holds no state dict: expected {{name: tensor}} or "
-            f"{{'state_dict': {{name: tensor}}}}, got {got or f'a {type(data).__name__}'}"
+            f"{path}{where} holds no state dict: expected {{name: tensor}}, or one under "
+            f"'state_dict' or 'module', got {got or f'a {type(found).__name__}'}"
         )
         raise CheckpointError(message)
-    return data
+    state, skipped = {}, []
+    for key, value in found.items():
+        extra = keep_extra_state and str(key).endswith("_extra_state")
+        if isinstance(value, torch.Tensor) or extra:
+            state[key] = value
+        else:
+            skipped.append(str(key))
+    if skipped:
+        warnings.warn(
+            f"{path}{where}: left out {len(skipped)} entr(ies) that are not tensors: "
+            f"{', '.join(sorted(skipped)[:8])}",
+            stacklevel=outside_package(),
+        )
+    return state
 
 
 def _refused_by_weights_only(text: str) -> bool:

@@ -111,12 +111,17 @@ def load_full_model_state_dict(
 
 
 def load_full_optim_state_dict(
-    model: nn.Module | Backend, optim_wrapper: Any, state_dict: Mapping[str, Any]
+    model: nn.Module | Backend,
+    optim_wrapper: Any,
+    state_dict: Mapping[str, Any],
+    strict: bool = True,
 ) -> None:
     """Load a full optimizer state keyed by parameter names (from `full_optim_state_dict`).
 
     Collective. An ``OptimWrapperDict`` takes ``{key: state}``. An entry for a name that
-    is not a parameter of ``model`` raises `CheckpointError` naming it.
+    is not a parameter of ``model`` raises `CheckpointError` naming it; so does, with
+    ``strict``, a trainable parameter the state leaves out or a parameter in another param
+    group than the optimizer's (``strict=False`` loads the rest, with a warning).
 
     Examples:
         >>> import torch
@@ -139,4 +144,5 @@ def load_full_optim_state_dict(
             f"{sorted(optimizers)}: they must match"
         )
         raise CheckpointError(message)
-    load_full_optimizers(backend, states, optimizers, "the optimizer state", backend.param_shapes())
+    params = backend.param_shapes()
+    load_full_optimizers(backend, states, optimizers, "the optimizer state", params, (), strict)

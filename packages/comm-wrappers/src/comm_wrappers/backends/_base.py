@@ -386,12 +386,13 @@ class Backend:
         self, optimizer: Optimizer, state: Mapping[str, Any], *, strict: bool
     ) -> bool:
         """The ``strict`` of torch's optimizer load: off when the saved groups list
-        parameters without a state (their owner had no gradient yet), after checking that
-        no trainable parameter is missing from both the entries and the groups."""
-        if strict and _stateless_names(state):
-            self._refuse_unlisted(optimizer, state)
+        parameters without a state (their owner had no gradient yet). A strict load first
+        checks that no trainable parameter is missing from both the entries and the groups
+        (torch's own check would refuse it only after filling the optimizer's state)."""
+        if not strict:
             return False
-        return strict
+        self._refuse_unlisted(optimizer, state)
+        return not _stateless_names(state)
 
     def optimizer_groups(self, optimizer: Optimizer) -> list[list[str]] | None:
         """Each of ``optimizer``'s param groups as the names of its parameters.
@@ -424,10 +425,12 @@ class Backend:
         }
         trained = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         target = self._target()
-        missing = [
+        missing = [  # torch's names asked only for a name the state does not hold as it is
             sorted(fqns)[0]
             for name, param in target.named_parameters()
-            if id(param) in trained and not (fqns := _get_fqns(target, name)) & listed
+            if id(param) in trained
+            and name not in listed
+            and not (fqns := _get_fqns(target, name)) & listed
         ]
         if missing:
             message = (
