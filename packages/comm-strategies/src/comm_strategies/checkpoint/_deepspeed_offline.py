@@ -24,22 +24,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ._deepspeed_records import UNIVERSAL_FOLDER as UNIVERSAL_FOLDER
-from ._deepspeed_records import UNIVERSAL_KEY as UNIVERSAL_KEY
-from ._deepspeed_records import UNIVERSAL_OPTIM_FILE as UNIVERSAL_OPTIM_FILE
-from ._deepspeed_records import DeepSpeedState as DeepSpeedState
-from ._deepspeed_records import load_file as load_file
-from ._deepspeed_universal import UNIVERSAL_LATEST as UNIVERSAL_LATEST
-from ._deepspeed_universal import UNIVERSAL_TAG as UNIVERSAL_TAG
-from ._deepspeed_universal import _read_universal
-from ._deepspeed_universal import universal_files as universal_files
+from ._deepspeed_records import UNIVERSAL_FOLDER, UNIVERSAL_OPTIM_FILE, DeepSpeedState, load_file
+from ._deepspeed_universal import UNIVERSAL_LATEST, _read_universal, universal_files
 from ._deepspeed_zero import _rank_files, _read_zero0, _read_zero3, _read_zero12, _stage_of
 from ._errors import CheckpointError
 
-
-def is_universal(tag_dir: Path) -> bool:
-    """Whether a tag folder is in DeepSpeed's universal layout (``zero/optimizer_state.pt``)."""
-    return (tag_dir / UNIVERSAL_FOLDER / UNIVERSAL_OPTIM_FILE).is_file()
+__all__ = ["UNIVERSAL_LATEST", "DeepSpeedState", "read_folder", "universal_files"]
 
 
 def read_folder(
@@ -58,7 +48,7 @@ def read_folder(
             add up (the message names the file and what was expected).
     """
     unsafe = allow_unsafe_pickle
-    if is_universal(tag_dir):
+    if (tag_dir / UNIVERSAL_FOLDER / UNIVERSAL_OPTIM_FILE).is_file():  # the universal layout
         return _read_universal(tag_dir, optimizer, unsafe)
     _refuse_model_parallel(tag_dir)
     optim_files = _rank_files(tag_dir, "optim_states.pt")

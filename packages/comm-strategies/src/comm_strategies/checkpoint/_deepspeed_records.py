@@ -47,20 +47,10 @@ def deepspeed_safe_globals() -> list[Any]:
 
 
 def safe_load(path: Any, map_location: Any = None) -> Any:
-    """``torch.load(weights_only=True)`` of a DeepSpeed file, DeepSpeed's records allowed.
-
-    What DeepSpeed reads its files with when the checkpoint package loads them natively
-    (the ``torch_load`` of ``NativeCheckpoint.load``), unless the caller opted out.
-    """
-    try:
-        with torch.serialization.safe_globals(deepspeed_safe_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as error:
-        message = (
-            f"{path} holds objects beyond DeepSpeed's plain checkpoint records "
-            f"({_weights_only_detail(str(error))}). {UNSAFE_HINT}."
-        )
-        raise CheckpointError(message) from error
+    """What DeepSpeed reads its files with when the checkpoint package loads them natively
+    (the ``torch_load`` of ``NativeCheckpoint.load``), unless the caller opted out:
+    `load_file`, not memory-mapped."""
+    return load_file(Path(path), map_location=map_location, mmap=False)
 
 
 UNIVERSAL_FOLDER = "zero"
@@ -94,8 +84,11 @@ class DeepSpeedState:
     lr_scheduler: Any = None
 
 
-def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
-    """One of DeepSpeed's files with ``weights_only=True`` and its record classes allowed.
+def load_file(
+    path: Path, *, allow_unsafe_pickle: bool = False, map_location: Any = "cpu", mmap: bool = True
+) -> Any:
+    """One of DeepSpeed's files with ``weights_only=True`` and its record classes allowed
+    (memory-mapped with ``mmap``, when it is a zip file).
 
     Full unpickling only with ``allow_unsafe_pickle`` and only for a file the safe
     loader refuses (one that holds objects beyond DeepSpeed's plain records).
@@ -103,10 +96,10 @@ def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
     if not path.is_file():
         message = f"DeepSpeed file {path} does not exist: the checkpoint is incomplete"
         raise CheckpointError(message)
-    mmap = zipfile.is_zipfile(path)
+    mmap = mmap and zipfile.is_zipfile(path)
     try:
         with torch.serialization.safe_globals(deepspeed_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         if allow_unsafe_pickle:
             return _load_unsafe(path)
@@ -231,8 +224,7 @@ def native_layout(folder: Path) -> tuple[int | None, int | None]:
     files = sorted(folder.glob("*model_states.pt"))
     if not files:
         return None, None
-    with torch.serialization.safe_globals(deepspeed_safe_globals()):
-        states = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    states = load_file(files[0])
     config = states.get("ds_config", {}) if isinstance(states, dict) else {}
     stage = config.get("zero_optimization", {}).get("stage", 0)
     world = states.get("dp_world_size") if isinstance(states, dict) else None

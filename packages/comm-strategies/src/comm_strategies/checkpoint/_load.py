@@ -91,8 +91,9 @@ def load_checkpoint(
     extra: dict[str, Any] = {}
     error: BaseException | None = None
     try:
-        loads = (load_optimizer, load_schedulers)
-        extra = _read(source, found, backend, optim_wrapper, schedulers, loads)
+        extra = _read(
+            source, found, backend, optim_wrapper, schedulers, load_optimizer, load_schedulers
+        )
     except Exception as caught:  # shared: no rank goes on alone with a half-loaded model
         error = caught
     call.share("loaded", error)
@@ -107,19 +108,21 @@ def _read(
     backend: Backend,
     optim_wrapper: Any,
     schedulers: Sequence[Any],
-    loads: tuple[bool, bool],
+    load_optimizer: bool,
+    load_schedulers: bool,
 ) -> dict[str, Any]:
     """The read of what `_find` found: the model and optimizer by the format's reader, then
-    the scalers, the schedulers and the user state (returned). ``loads``: the caller's
-    ``load_optimizer`` and ``load_schedulers``."""
+    the scalers, the schedulers and the user state (returned)."""
     manifest, request = found.manifest, found.request
-    load_optimizer, load_schedulers = loads
     unsafe = request.allow_unsafe_pickle
     if found.kind == "file":
-        _load_plain_file(source, backend, request)
+        state = read_state_dict_file(source, allow_unsafe_pickle=unsafe)
+        load_full_model(backend, state, request.strict, str(source))
         return {}
-    if found.kind == "deepspeed":
-        _load_deepspeed_folder(source, backend, request, load_optimizer)
+    if found.kind == "deepspeed":  # natively where the model's adapter fits it, else offline
+        save_dir, tag = ds_files.split_folder(source)
+        layout = ds_files.native_layout(save_dir / tag)
+        load_native_folder(save_dir, tag, layout, backend, request, load_optimizer=load_optimizer)
         return {}
     assert manifest is not None
     FORMATS[manifest.format].read(source, manifest, backend, request)
@@ -195,21 +198,6 @@ def _saved_optimizers(
         )
         raise CheckpointError(message)
     return optimizers
-
-
-def _load_plain_file(source: Path, backend: Backend, request: LoadRequest) -> None:
-    state = read_state_dict_file(source, allow_unsafe_pickle=request.allow_unsafe_pickle)
-    load_full_model(backend, state, request.strict, str(source))
-
-
-def _load_deepspeed_folder(
-    source: Path, backend: Backend, request: LoadRequest, load_optimizer: bool
-) -> None:
-    """DeepSpeed's own folder: natively into a model whose backend's native_checkpoint()
-    fits it, else read offline (fp32 masters and optimizer state) into any model."""
-    save_dir, tag = ds_files.split_folder(source)
-    layout = ds_files.native_layout(save_dir / tag)
-    load_native_folder(save_dir, tag, layout, backend, request, load_optimizer=load_optimizer)
 
 
 def _load_scalers(source: Path, optim_wrapper: Any, unsafe: bool) -> None:

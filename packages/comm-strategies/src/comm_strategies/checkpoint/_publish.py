@@ -207,8 +207,10 @@ def newest_first(parent: Path, *, whole: bool = False, unpublished: bool = False
     found: list[tuple[tuple[float, str], Path]] = []
     for candidate in entries:
         if candidate.name.startswith("."):
+            # a publish of NAME cut between its two renames: no NAME, a hidden old NAME
             cut = _UNPUBLISHED.fullmatch(candidate.name)
-            if not (unpublished and cut and _cut_between(cut.group(1), visible, replaced)):
+            name = cut.group(1) if cut else ""
+            if not (unpublished and name and name not in visible and name in replaced):
                 continue
         if candidate.is_symlink() or not candidate.is_dir():
             continue
@@ -217,11 +219,6 @@ def newest_first(parent: Path, *, whole: bool = False, unpublished: bool = False
             continue
         found.append(((manifest.saved_at, candidate.name), candidate))
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
-
-
-def _cut_between(name: str, visible: set[str], replaced: set[str]) -> bool:
-    """Whether a publish of ``name`` was cut between its two renames."""
-    return name not in visible and name in replaced
 
 
 def is_whole(folder: Path, files: dict[str, int]) -> bool:

@@ -162,13 +162,13 @@ def read_state_dict_file(
             f"'state_dict' or 'module', got {got or f'a {type(found).__name__}'}"
         )
         raise CheckpointError(message)
-    state, skipped = {}, []
-    for key, value in found.items():
-        extra = keep_extra_state and str(key).endswith("_extra_state")
-        if isinstance(value, torch.Tensor) or extra:
-            state[key] = value
-        else:
-            skipped.append(str(key))
+    state = {
+        key: value
+        for key, value in found.items()
+        if isinstance(value, torch.Tensor)
+        or (keep_extra_state and f"{key}".endswith("_extra_state"))
+    }
+    skipped = [str(key) for key in found if key not in state]
     if skipped:
         warnings.warn(
             f"{path}{where}: left out {len(skipped)} entr(ies) that are not tensors: "
