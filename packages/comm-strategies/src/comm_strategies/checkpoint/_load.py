@@ -79,7 +79,7 @@ def load_checkpoint(
             checkpoint belongs to another model (names and shapes listed), a format needs
             ``allow_unsafe_pickle``, or the optimizer state cannot move between formats.
     """
-    backend = backend_of(model)
+    backend = model if isinstance(model, Backend) else backend_of(model)  # a kept adapter
     # before the call takes its number: a rank that raises here takes none
     optimizers = torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY) if load_optimizer else {}
     call = Call("load_checkpoint", timeout)

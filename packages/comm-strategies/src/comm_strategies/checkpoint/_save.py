@@ -156,7 +156,7 @@ def save_checkpoint(
         {'epoch': 1}
     """
     _publish.check_keep_last(keep_last, "save_checkpoint")
-    backend = backend_of(model)
+    backend = model if isinstance(model, Backend) else backend_of(model)  # a kept adapter
     fmt = backend.format_for(sharded)
     optimizers = torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY)
     if fmt == "full" and optimizers:
