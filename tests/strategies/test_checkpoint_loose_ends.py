@@ -310,6 +310,17 @@ def test_a_plain_file_s_entries_that_are_not_tensors(tmp_path: Path) -> None:
     assert [str(w.message).rsplit(": ", 1)[1] for w in shown] == ["_extra_state, epoch"]
     assert shown[0].filename == __file__
     assert sorted(torch.load(out, weights_only=True)) == sorted(weights)
+    # a wrapper's state dict with a tensor beside it at the top (a metric): the wrapped one
+    beside = tmp_path / "beside.pt"
+    torch.save({"state_dict": source.state_dict(), "best": torch.tensor(0.9), "epoch": 3}, beside)
+    target = _WithExtraState("new")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.load_checkpoint(beside, model=target)
+    assert not [str(w.message) for w in caught if "not tensors" in str(w.message)]
+    assert target.tag == "trained"
+    for name, value in weights.items():
+        assert torch.equal(target.state_dict()[name], value), name
 
 
 def test_torch_legacy_pickles(tmp_path: Path) -> None:

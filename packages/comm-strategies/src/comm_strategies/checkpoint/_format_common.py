@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from comm_collectives import CommError
 from comm_wrappers.backends import Backend, describe_params
 
 from ._consensus import Call, where
@@ -115,6 +116,8 @@ def load_full_optimizers(
         )
         try:
             backend.load_optim_state(optimizer, state, full=True, strict=strict)
+        except (CommError, torch.OutOfMemoryError):  # not about this state
+            raise
         except (ValueError, RuntimeError) as caught:  # the backend's or torch's refusal
             message = f"{named} does not fit this optimizer on {where()}: {caught}"
             raise CheckpointError(message) from caught

@@ -144,9 +144,7 @@ def read_state_dict_file(
         path, allow_unsafe_pickle=allow_unsafe_pickle, mmap=True, what="checkpoint"
     )
     found, where = data, ""
-    while isinstance(found, Mapping) and not any(
-        isinstance(v, torch.Tensor) for v in found.values()
-    ):
+    while isinstance(found, Mapping):  # the wrapper's, whatever sits beside it (an epoch...)
         inner = [key for key in ("state_dict", "module") if isinstance(found.get(key), Mapping)]
         if not inner:
             break
