@@ -323,6 +323,24 @@ def test_a_plain_file_s_entries_that_are_not_tensors(tmp_path: Path) -> None:
         assert torch.equal(target.state_dict()[name], value), name
 
 
+def test_a_plain_file_that_wraps_itself(tmp_path: Path) -> None:
+    """A pickle whose dict holds itself under 'state_dict' (pickle keeps the cycle) is
+    refused after two levels of unwrapping, not followed forever, in load and convert."""
+    looped: dict[str, Any] = {"epoch": 3}
+    looped["state_dict"] = looped
+    path = tmp_path / "looped.pt"
+    torch.save(looped, path)
+    expected = (
+        f"{path}['state_dict']['state_dict'] holds no state dict: expected {{name: tensor}}, "
+        "or one under 'state_dict' or 'module', got a dict with keys ['epoch', 'state_dict']"
+    )
+    assert _refusal(path) == expected
+    with pytest.raises(CheckpointError) as caught:
+        ck.convert_checkpoint(path, tmp_path / "plain.pt")
+    assert str(caught.value) == expected
+    assert not (tmp_path / "plain.pt").exists()
+
+
 def test_torch_legacy_pickles(tmp_path: Path) -> None:
     source = torch.nn.Linear(2, 2)
     default = tmp_path / "legacy.pth"

@@ -134,8 +134,8 @@ def read_state_dict_file(
 ) -> dict[Any, Any]:
     """A plain weights file's state dict: a bare ``{name: tensor}``, MMEngine's
     ``{"state_dict": ...}`` or DeepSpeed's ``{"module": ...}`` (``mp_rank_00_model_states.pt``),
-    one inside the other too. Entries that are not tensors are left out with a warning
-    naming them, but a module's ``*_extra_state`` with ``keep_extra_state``.
+    one inside the other too (two levels at most). Entries that are not tensors are left out
+    with a warning naming them, but a module's ``*_extra_state`` with ``keep_extra_state``.
 
     Raises:
         CheckpointError: The file cannot be read (`load_tensor_file`) or holds no tensor.
@@ -144,8 +144,9 @@ def read_state_dict_file(
         path, allow_unsafe_pickle=allow_unsafe_pickle, mmap=True, what="checkpoint"
     )
     found, where = data, ""
-    while isinstance(found, Mapping):  # the wrapper's, whatever sits beside it (an epoch...)
-        inner = [key for key in ("state_dict", "module") if isinstance(found.get(key), Mapping)]
+    for _ in range(2):  # the wrapper's, whatever sits beside it (an epoch); bounded: a cycle
+        wrappers = ("state_dict", "module") if isinstance(found, Mapping) else ()
+        inner = [key for key in wrappers if isinstance(found.get(key), Mapping)]
         if not inner:
             break
         found, where = found[inner[0]], f"{where}[{inner[0]!r}]"
