@@ -57,7 +57,7 @@ def _describe_folder(path: Path) -> dict[str, Any]:
 
 
 def _describe_file(path: Path, unsafe: bool) -> dict[str, Any]:
-    from .checkpoint._convert import full_model_state_of
+    from .checkpoint._convert_source import full_model_state_of
 
     state = full_model_state_of(path, allow_unsafe_pickle=unsafe)
     params: dict[str, list[Any]] = {

@@ -11,9 +11,11 @@ files are read by ``_deepspeed_offline`` with ``weights_only=True``.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,9 +25,7 @@ from comm_wrappers.backends import describe_params, quiet_torch
 
 from . import _deepspeed_offline as ds_offline
 from . import _publish
-from ._convert_source import Source as Source
-from ._convert_source import full_model_state_of as full_model_state_of
-from ._convert_source import read_source as read_source
+from ._convert_source import Source, read_source
 from ._errors import CheckpointError
 from ._files import rng_file, rng_json, save_tensor_file, write_json, write_private
 from ._layout import DCP_FOLDER, EXTRA_FILE, MODEL_FILE, OPTIM_FILE, SCALER_FILE, SCHEDULERS_FILE
@@ -174,7 +174,8 @@ def _copy_side_files(read: Source, folder: Path) -> dict[str, Any]:
         return {"num_schedulers": 0, "has_scaler": False, "rng_ranks": [], "extra_keys": []}
     for name in _SIDE_FILES:
         if (source / name).is_file():
-            _copy_private(source / name, folder / name)
+            with (source / name).open("rb") as into:  # into a private file, renamed whole
+                write_private(folder / name, partial(shutil.copyfileobj, into))
     rng_ranks = []
     for rank in manifest.rng_ranks:  # layout version 1's torch files written as JSON
         file = rng_file(source, rank)
@@ -187,14 +188,6 @@ def _copy_side_files(read: Source, folder: Path) -> dict[str, Any]:
         "rng_ranks": rng_ranks,
         "extra_keys": list(manifest.extra_keys) if (folder / EXTRA_FILE).is_file() else [],
     }
-
-
-def _copy_private(source: Path, target: Path) -> None:
-    """Copy a file's bytes into a private (0600) file."""
-    descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "wb") as out, source.open("rb") as into:
-        while chunk := into.read(1 << 20):
-            out.write(chunk)
 
 
 # ---------------------------------------------------------------- DeepSpeed's universal layout

@@ -295,10 +295,7 @@ def _delete_later(folder: Path) -> None:
     for done in [path for path, thread in _deleting.items() if not thread.is_alive()]:
         del _deleting[done]
     thread = threading.Thread(
-        target=_remove_entry,
-        args=(folder,),
-        name="comm-checkpoint-delete",
-        daemon=True,
+        target=_remove_entry, args=(folder,), name="comm-checkpoint-delete", daemon=True
     )
     thread.start()
     _deleting[folder] = thread
@@ -367,10 +364,8 @@ def _name_of(unpublished: Path) -> str:
 def _remove_entry(path: Path) -> None:
     """Remove a replaced checkpoint: a folder with what it holds, a symbolic link itself
     (never what it points to); errors are ignored, a later save of the name tries again."""
-    try:
+    with contextlib.suppress(OSError):
         if path.is_symlink() or not path.is_dir():
             path.unlink()
         else:
             shutil.rmtree(path, ignore_errors=True)
-    except OSError:
-        pass

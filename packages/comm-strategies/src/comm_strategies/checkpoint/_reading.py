@@ -72,10 +72,7 @@ def load_tensor_file(
     try:
         with torch.serialization.safe_globals(numpy_safe_globals()):
             return torch.load(
-                path,
-                map_location="cpu",
-                weights_only=not allow_unsafe_pickle,
-                mmap=mmap and is_zip,
+                path, map_location="cpu", weights_only=not allow_unsafe_pickle, mmap=mmap and is_zip
             )
     except pickle.UnpicklingError as error:
         text = str(error)
