@@ -180,12 +180,67 @@ def test_load_full_optim_state_dict_missing_a_parameter_is_a_checkpoint_error() 
     assert "no entry for bias" in message
     assert "Pass strict=False" in message
     assert not resumed.state
-    ck.load_full_optim_state_dict(target, resumed, state, strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.load_full_optim_state_dict(target, resumed, state, strict=False)
+    assert [(str(w.message), w.filename) for w in caught] == [
+        (
+            "strict=False: the optimizer state holds nothing for bias (rank 0): their "
+            "optimizer state is not loaded",
+            __file__,
+        )
+    ]
     assert torch.equal(
         resumed.state[target.weight]["exp_avg"], optimizer.state[model.weight]["exp_avg"]
     )
     assert not resumed.state.get(target.bias)
     assert resumed.param_groups[0]["lr"] == 0.1
+
+
+def test_strict_false_loads_an_optimizer_that_trained_fewer_parameters(
+    tmp_path: Path, sharded: bool
+) -> None:
+    """A checkpoint whose optimizer trained the first layer only, loaded into one that
+    trains both: refused (optimizer untouched) unless strict=False, which loads the first
+    layer's state and hyperparameters, warns naming the second layer's parameters, leaves
+    them without state (as torch's optimizer load does) and trains on. It was refused in
+    the DCP format whatever ``strict`` said, and loaded silently in the full one."""
+    model = two_layers()
+    optimizer = torch.optim.AdamW(model[0].parameters(), lr=0.1)
+    one_step(model, optimizer, 1)
+    path = tmp_path / "first_layer"
+    ck.save_checkpoint(
+        path, model=model, strategy="single", optim_wrapper=optimizer, sharded=sharded
+    )
+    target = two_layers()
+    resumed = torch.optim.AdamW(target.parameters(), lr=0.5)
+    with pytest.raises(CheckpointError) as refused:
+        ck.load_checkpoint(path, model=target, optim_wrapper=resumed)
+    assert "no entry for 1.weight, 1.bias (rank 0)" in str(refused.value)
+    assert "Pass strict=False" in str(refused.value)
+    assert not resumed.state
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.load_checkpoint(path, model=target, optim_wrapper=resumed, strict=False)
+    assert [(str(w.message), w.filename) for w in caught] == [
+        (
+            f"strict=False: {path} holds nothing for 1.weight, 1.bias (rank 0): their "
+            "optimizer state is not loaded",
+            __file__,
+        )
+    ]
+    for name in ("weight", "bias"):
+        saved, loaded = (
+            optimizer.state[getattr(model[0], name)],
+            resumed.state[getattr(target[0], name)],
+        )
+        assert torch.equal(loaded["exp_avg"], saved["exp_avg"]), name
+        assert float(loaded["step"]) == 1.0
+        assert not resumed.state.get(getattr(target[1], name))
+    assert resumed.param_groups[0]["lr"] == 0.1
+    one_step(target, resumed, 2)  # trains on: the second layer's state starts now
+    assert float(resumed.state[target[1].weight]["step"]) == 1.0
+    assert float(resumed.state[target[0].weight]["step"]) == 2.0
 
 
 # ---- 7. a save in place keeps what comm did not write

@@ -17,7 +17,7 @@ from ._consensus import Call, where
 from ._errors import CheckpointError
 from ._layout import DEFAULT_KEY
 from ._manifest import Manifest
-from ._params import check_against, fit_names, fit_optimizer_state
+from ._params import check_against, fit_names, fit_optimizer_state, warn_unlisted
 
 Optimizers = Mapping[str, torch.optim.Optimizer]
 
@@ -104,7 +104,7 @@ def load_full_optimizers(
     names and param groups are checked against the model's ``params`` (its
     `Backend.param_shapes`; ``skipped``: left out of a ``strict=False`` load)."""
     for key, optimizer in optimizers.items():
-        named = source if list(optimizers) == [DEFAULT_KEY] else f"{source} ({key})"
+        named = optimizer_source(source, key, optimizers)
         state = fit_optimizer_state(
             states[key],
             params,
@@ -114,6 +114,8 @@ def load_full_optimizers(
             own_groups=optimizer.param_groups,
             strict=strict,
         )
+        if not strict:
+            warn_unlisted(backend, optimizer, state, named, skipped)
         try:
             backend.load_optim_state(optimizer, state, full=True, strict=strict)
         except (CommError, torch.OutOfMemoryError):  # not about this state
@@ -121,6 +123,11 @@ def load_full_optimizers(
         except (ValueError, RuntimeError) as caught:  # the backend's or torch's refusal
             message = f"{named} does not fit this optimizer on {where()}: {caught}"
             raise CheckpointError(message) from caught
+
+
+def optimizer_source(source: str, key: str, optimizers: Optimizers) -> str:
+    """``source`` in a message about one optimizer's state: with its key if there are several."""
+    return source if list(optimizers) == [DEFAULT_KEY] else f"{source} ({key})"
 
 
 def check_portable(

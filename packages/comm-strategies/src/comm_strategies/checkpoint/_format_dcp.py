@@ -21,10 +21,10 @@ from comm_wrappers.backends import Backend, describe_params, quiet_torch
 
 from ._consensus import Attempts
 from ._errors import CheckpointError
-from ._format_common import LoadRequest, Optimizers, check_portable, load_full
+from ._format_common import LoadRequest, Optimizers, check_portable, load_full, optimizer_source
 from ._layout import DCP_FOLDER
 from ._manifest import Manifest
-from ._params import check_against, fit_optimizer_groups
+from ._params import check_against, fit_optimizer_groups, warn_unlisted
 
 
 def sharded_state(backend: Backend, optimizers: Optimizers) -> dict[str, Any]:
@@ -91,10 +91,13 @@ class DcpFormat:
             # One group saved, one here: every parameter is in its group, nothing to fit.
             alone = len(optimizer.param_groups) == 1 == len(optim_state.get("param_groups", ()))
             groups = None if alone else backend.optimizer_groups(optimizer)
+            named = optimizer_source(str(source), key, request.optimizers)
             if groups is not None:  # the saved groups' names, read back: each in its group
                 optim_state = fit_optimizer_groups(
-                    optim_state, groups, optimizer.param_groups, f"{source} ({key})", request.strict
+                    optim_state, groups, optimizer.param_groups, named, request.strict
                 )
+            if not request.strict:
+                warn_unlisted(backend, optimizer, optim_state, named, skipped)
             fitted[key] = (optimizer, optim_state)
         # the model, then each optimizer (one torch call for a model and one optimizer)
         backend.load_sharded_state(state["model"], fitted, strict=request.strict)

@@ -73,7 +73,7 @@ class FullFormat:
             ),
             optim_states,
             request,
-            str(source / MODEL_FILE),
+            str(source),
         )
 
 

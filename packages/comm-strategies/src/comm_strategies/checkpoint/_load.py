@@ -61,7 +61,9 @@ def load_checkpoint(
         model: What the strategy prepared, or its adapter (as in `save_checkpoint`).
         optim_wrapper: Receives the optimizer state (and the gradient scaler's).
         schedulers: Receive the schedulers' states, in the order they were saved.
-        strict: The model's names must equal the checkpoint's.
+        strict: The model's names and shapes must be the checkpoint's, and every parameter
+            an optimizer trains must have a saved state; False loads what fits, with a
+            warning naming the rest.
         load_optimizer: Load the optimizer (and scaler) state when the checkpoint has it.
         load_schedulers: Load the schedulers' states.
         load_rng: Restore this rank's random generators (when the checkpoint has them).
@@ -90,13 +92,19 @@ def load_checkpoint(
     call.enter(str(source), found.error)
     extra: dict[str, Any] = {}
     error: BaseException | None = None
+    fresh = [optimizer for optimizer in optimizers.values() if not optimizer.state]
     try:
         extra = _read(
             source, found, backend, optim_wrapper, schedulers, load_optimizer, load_schedulers
         )
     except Exception as caught:  # shared: no rank goes on alone with a half-loaded model
         error = caught
-    call.share("loaded", error)
+    try:
+        call.share("loaded", error)
+    except BaseException:  # torch's sharded state dict gave these zero states (a step at lr 0)
+        for optimizer in fresh:
+            optimizer.state.clear()  # a caller that goes on trains them as before the load
+        raise
     if found.rng is not None:  # read before the entry, set once every rank loaded the rest
         restore_rng(found.rng)
     return extra

@@ -9,7 +9,7 @@ from typing import Any
 from comm_collectives import get_rank
 
 from .._names import strip_prefixes
-from ._errors import CheckpointError
+from ._errors import CheckpointError, outside_package
 
 
 def fit_names(state: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, Any]:
@@ -207,6 +207,20 @@ def fit_optimizer_groups(
         "state": {k: v for k, v in entries.items() if k not in drop},
         "param_groups": fitted_groups,
     }
+
+
+def warn_unlisted(
+    backend: Any, optimizer: Any, state: Mapping[str, Any], source: str, skipped: Sequence[str]
+) -> None:
+    """``strict=False``: name the parameters ``optimizer`` trains that ``state`` holds nothing
+    for (`Backend.unlisted_params`; the ``skipped`` weights the model's check named)."""
+    missing = [name for name in backend.unlisted_params(optimizer, state) if name not in skipped]
+    if missing:
+        message = (
+            f"strict=False: {source} holds nothing for {_some(missing)} (rank {get_rank()}): "
+            "their optimizer state is not loaded"
+        )
+        warnings.warn(message, stacklevel=outside_package())
 
 
 def _some(names: list[str]) -> str:

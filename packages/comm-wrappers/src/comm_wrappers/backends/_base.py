@@ -275,7 +275,8 @@ class Backend:
     ) -> None:
         """Load one optimizer's state keyed by parameter names (full or sharded).
 
-        ``strict=False``: parameters without an entry in ``state`` keep their own state.
+        ``strict=False``: parameters without an entry in ``state`` are left without one
+        (torch's optimizer load replaces the whole state: one they had is dropped).
         A parameter that ``state``'s groups list without an entry (it had no gradient yet
         when it was saved) gets no state, as in the run that saved.
 
@@ -341,15 +342,16 @@ class Backend:
     ) -> None:
         """Load the model's and the optimizers' own shards, as `sharded_state` took them.
 
-        What `load_model_state` (``full=False``, ``strict``) then `load_optim_state`
-        (``full=False``) for each optimizer do, with one call of torch's
+        What `load_model_state` then `load_optim_state` for each optimizer do
+        (``full=False``, ``strict``), with one call of torch's
         ``set_state_dict`` when there is one optimizer whose load is as strict as the
         model's and this backend keeps the base class's state dicts.
 
         Args:
             model_state: By the user module's names.
             optim_states: ``{key: (optimizer, its state)}``.
-            strict: Every name of the model must be in ``model_state``, and no other.
+            strict: Every name of the model must be in ``model_state``, and no other; every
+                trainable parameter of an optimizer in its state (see `load_optim_state`).
 
         Raises:
             ValueError: As `load_optim_state`.
@@ -359,7 +361,7 @@ class Backend:
             reason = self.optimizer_not_portable()
             if reason is not None:
                 raise ValueError(reason)
-            if self._optim_strict(optimizer, state, strict=True) == strict:
+            if self._optim_strict(optimizer, state, strict=strict) == strict:
                 options = dsd.StateDictOptions(strict=strict)
                 with quiet_torch():
                     dsd.set_state_dict(
@@ -372,7 +374,7 @@ class Backend:
                 return
         self.load_model_state(model_state, full=False, strict=strict)
         for optimizer, state in optim_states.values():
-            self.load_optim_state(optimizer, state, full=False)
+            self.load_optim_state(optimizer, state, full=False, strict=strict)
 
     def _base_state_dicts(self) -> bool:
         """Whether this backend's state dicts are the base class's (torch's functions)."""
@@ -391,7 +393,15 @@ class Backend:
         (torch's own check would refuse it only after filling the optimizer's state)."""
         if not strict:
             return False
-        self._refuse_unlisted(optimizer, state)
+        missing = self.unlisted_params(optimizer, state)
+        if missing:
+            message = (
+                f"the optimizer state has no entry for {', '.join(missing[:8])} (rank "
+                f"{get_rank()}): parameters this optimizer trains that the saved optimizer "
+                "did not hold; is it another optimizer's state? Pass strict=False to load "
+                "the entries that fit and leave these parameters without optimizer state"
+            )
+            raise ValueError(message)
         return not _stateless_names(state)
 
     def optimizer_groups(self, optimizer: Optimizer) -> list[list[str]] | None:
@@ -415,9 +425,11 @@ class Backend:
             groups.append(sorted({n for param in group["params"] for n in names[id(param)]}))
         return groups
 
-    def _refuse_unlisted(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
-        """Raise when a trainable parameter of ``optimizer`` is in neither the state nor
-        its groups (by torch's names for it: the user module's, whatever the wrapper)."""
+    def unlisted_params(self, optimizer: Optimizer, state: Mapping[str, Any]) -> list[str]:
+        """The trainable parameters of ``optimizer`` in neither the optimizer ``state``'s
+        entries nor its groups (by torch's names for them: the user module's, whatever the
+        wrapper): a strict load refuses them, a ``strict=False`` one leaves them their own
+        state."""
         from torch.distributed.checkpoint.state_dict import _get_fqns
 
         listed = set(state.get("state", {})) | {
@@ -425,21 +437,13 @@ class Backend:
         }
         trained = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         target = self._target()
-        missing = [  # torch's names asked only for a name the state does not hold as it is
+        return [  # torch's names asked only for a name the state does not hold as it is
             sorted(fqns)[0]
             for name, param in target.named_parameters()
             if id(param) in trained
             and name not in listed
             and not (fqns := _get_fqns(target, name)) & listed
         ]
-        if missing:
-            message = (
-                f"the optimizer state has no entry for {', '.join(missing[:8])} (rank "
-                f"{get_rank()}): parameters this optimizer trains that the saved optimizer "
-                "did not hold; is it another optimizer's state? Pass strict=False to load "
-                "the entries that fit and keep these parameters' own state"
-            )
-            raise ValueError(message)
 
     def optimizer_not_portable(self) -> str | None:
         """None, or why the optimizer state has no per-parameter full form (DeepSpeed)."""
