@@ -624,6 +624,63 @@ def strict_false_loads_the_rest(root: str) -> dict[str, Any]:
     return out
 
 
+def strict_false_optimizer_of_fewer_parameters(root: str) -> dict[str, Any]:
+    """FSDP2 (the dcp format): a checkpoint whose optimizer trained lin1 only, loaded into
+    an optimizer of every parameter (lin2 and the head unfrozen since)."""
+    model, _ = build("fsdp2")
+    optim = OptimWrapper(torch.optim.AdamW(model.module.lin1.parameters(), lr=0.01))
+    train_steps(model, optim, range(2))
+    path = save_checkpoint(f"{root}/lin1", model=model, optim_wrapper=optim, strategy="fsdp2")
+    saved = full_optim_state_dict(model, optim)["state"]
+    weights = dict(full_model_state_dict(model))
+    target, target_optim = build("fsdp2", seed=1)
+    out: dict[str, Any] = {
+        "strict": caught(load_checkpoint, path, model=target, optim_wrapper=target_optim)[1]
+    }
+    out["states after the refusal"] = len(torch_optimizer(target_optim).state)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        load_checkpoint(path, model=target, optim_wrapper=target_optim, strict=False)
+    out["warned"] = [
+        (str(r.message), r.filename) for r in records if "strict=False" in str(r.message)
+    ]
+    state = full_optim_state_dict(target, target_optim)["state"]
+    out["stateless"] = sorted(set(weights) - set(state))
+    out["moments"] = max_diff(
+        {n: state[n]["exp_avg"] for n in saved}, {n: v["exp_avg"] for n, v in saved.items()}
+    )
+    out["weights"] = max_diff(dict(full_model_state_dict(target)), weights)
+    train_step(target, target_optim, 2)  # trains on: lin2's and the head's state start now
+    state = full_optim_state_dict(target, target_optim)["state"]
+    out["steps"] = {n: float(state[n]["step"]) for n in ("lin1.weight", "lin2.weight", "head.bias")}
+    out["path"] = str(path)
+    return out
+
+
+def test_strict_false_loads_an_optimizer_that_trained_fewer_parameters(
+    comm_pools: Any, tmp_path: Path
+) -> None:
+    """The dcp format refused this whatever ``strict`` said (its message told the user to
+    pass strict=False), and a refused load left the fresh optimizer with zero states."""
+    results = comm_pools.get(2).run(strict_false_optimizer_of_fewer_parameters, str(tmp_path))
+    for rank, result in enumerate(results):
+        names = "lin2.weight, lin2.bias, head.weight, head.bias"
+        assert f"the optimizer state has no entry for {names} (rank {rank})" in result["strict"]
+        assert "Pass strict=False" in result["strict"]
+        assert result["states after the refusal"] == 0
+        assert result["warned"] == [
+            (
+                f"strict=False: {result['path']} holds nothing for {names} (rank {rank}): their "
+                "optimizer state is not loaded",
+                __file__,
+            )
+        ]
+        assert result["stateless"] == ["head.bias", "head.weight", "lin2.bias", "lin2.weight"]
+        assert result["moments"] == 0.0
+        assert result["weights"] == 0.0
+        assert result["steps"] == {"lin1.weight": 3.0, "lin2.weight": 1.0, "head.bias": 1.0}
+
+
 def test_strict_false_loads_what_fits_and_reports_the_rest(comm_pools: Any, tmp_path: Path) -> None:
     for result in comm_pools.get(2).run(strict_false_loads_the_rest, str(tmp_path), timeout=180):
         for kind in ("ddp", "zero2"):
