@@ -163,11 +163,7 @@ def rng_json(folder: Path, rank: int, *, allow_unsafe_pickle: bool = False) -> d
         old = load_tensor_file(legacy, allow_unsafe_pickle=allow_unsafe_pickle, what="RNG state")
         python, numpy = old["python"], old.get("numpy")
         state = {
-            "python": {
-                "version": python["version"],
-                "state": python["state"].tolist(),
-                "gauss": python.get("gauss"),
-            },
+            "python": {"gauss": None, **python, "state": python["state"].tolist()},
             "torch": _encode(old["torch"]),
         }
         if numpy is not None:

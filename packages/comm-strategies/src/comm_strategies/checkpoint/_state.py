@@ -46,8 +46,7 @@ def full_model_state_dict(model: nn.Module | Backend) -> dict[str, torch.Tensor]
         >>> sorted(full_model_state_dict(torch.nn.Linear(2, 1)))
         ['bias', 'weight']
     """
-    state: dict[str, torch.Tensor] = backend_of(model).model_state(full=True)
-    return state
+    return backend_of(model).model_state(full=True)
 
 
 def full_optim_state_dict(model: nn.Module | Backend, optim_wrapper: Any) -> dict[str, Any]:
@@ -71,10 +70,7 @@ def full_optim_state_dict(model: nn.Module | Backend, optim_wrapper: Any) -> dic
         key: backend.optim_state(optimizer, full=True)
         for key, optimizer in torch_optimizers(optim_wrapper, default_key=DEFAULT_KEY).items()
     }
-    if list(states) == [DEFAULT_KEY]:
-        state: dict[str, Any] = states[DEFAULT_KEY]
-        return state
-    return states
+    return states[DEFAULT_KEY] if list(states) == [DEFAULT_KEY] else states
 
 
 def load_full_model_state_dict(
