@@ -18,9 +18,9 @@ from comm_strategies import checkpoint as ck
 from comm_strategies.checkpoint import CheckpointError
 
 
-def two_layers() -> torch.nn.Sequential:
+def two_layers(n: int = 2) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, n))
 
 
 def one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -102,6 +102,7 @@ def test_strict_false_loads_the_group_that_fits_and_keeps_the_other_hyperparamet
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ck.load_checkpoint(path, model=model, optim_wrapper=optimizer, strict=False)
+    assert [w.filename for w in caught] == [__file__]  # once, not again as "holds nothing"
     shown = " ".join(str(w.message) for w in caught)
     assert "1.weight" in shown
     assert "1.bias" in shown
@@ -241,6 +242,87 @@ def test_strict_false_loads_an_optimizer_that_trained_fewer_parameters(
     one_step(target, resumed, 2)  # trains on: the second layer's state starts now
     assert float(resumed.state[target[1].weight]["step"]) == 1.0
     assert float(resumed.state[target[0].weight]["step"]) == 2.0
+
+
+class _Tied(torch.nn.Module):
+    """An embedding whose weight the output layer shares (tied weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(5, 4)
+        self.mid = torch.nn.Linear(4, 4)
+        self.out = torch.nn.Linear(4, 5, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid(self.emb(tokens)))
+
+
+def _tied_step(model: _Tied, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.tensor([1, 2])).pow(2).sum().backward()
+    optimizer.step()
+
+
+def test_strict_false_loads_what_fits_when_the_saved_optimizer_left_a_tied_weight_out(
+    tmp_path: Path, sharded: bool
+) -> None:
+    """The tied weight gets no state, the rest loads (torch failed on the group's size)."""
+    model = _Tied()
+    optimizer = torch.optim.AdamW(model.mid.parameters(), lr=0.1)
+    _tied_step(model, optimizer)
+    path = tmp_path / "tied"
+    ck.save_checkpoint(
+        path, model=model, strategy="single", optim_wrapper=optimizer, sharded=sharded
+    )
+    target = _Tied()
+    resumed = torch.optim.AdamW(target.parameters(), lr=0.5)
+    with pytest.raises(CheckpointError) as refused:
+        ck.load_checkpoint(path, model=target, optim_wrapper=resumed)
+    assert "no entry for emb.weight (rank 0)" in str(refused.value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.load_checkpoint(path, model=target, optim_wrapper=resumed, strict=False)
+    assert [str(w.message) for w in caught] == [
+        f"strict=False: {path} holds nothing for emb.weight (rank 0): their optimizer state "
+        "is not loaded"
+    ]
+    assert not resumed.state.get(target.emb.weight)
+    assert torch.equal(
+        resumed.state[target.mid.weight]["exp_avg"], optimizer.state[model.mid.weight]["exp_avg"]
+    )
+    _tied_step(target, resumed)
+    assert float(resumed.state[target.emb.weight]["step"]) == 1.0
+
+
+def test_strict_false_skips_a_reshaped_layer_and_its_optimizer_state(
+    tmp_path: Path, sharded: bool
+) -> None:
+    """A head of another size: its weights and moments are not read (the dcp format failed
+    on the moments' shapes), the first layer's are, and one warning names the head."""
+    model = two_layers()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    one_step(model, optimizer, 1)
+    path = tmp_path / "narrow"
+    ck.save_checkpoint(
+        path, model=model, strategy="single", optim_wrapper=optimizer, sharded=sharded
+    )
+    target = two_layers(n=3)
+    head = target[1].weight.detach().clone()
+    resumed = torch.optim.AdamW(target.parameters(), lr=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.load_checkpoint(path, model=target, optim_wrapper=resumed, strict=False)
+    assert [w.filename for w in caught] == [__file__]
+    assert "shapes differ: 1.bias: checkpoint [2], model [3]" in str(caught[0].message)
+    assert torch.equal(target[1].weight, head)
+    assert torch.equal(target[0].weight, model[0].weight)
+    assert torch.equal(
+        resumed.state[target[0].weight]["exp_avg"], optimizer.state[model[0].weight]["exp_avg"]
+    )
+    assert not resumed.state.get(target[1].weight)
+    one_step(target, resumed, 2)
 
 
 # ---- 7. a save in place keeps what comm did not write

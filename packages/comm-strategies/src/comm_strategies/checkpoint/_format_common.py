@@ -114,8 +114,8 @@ def load_full_optimizers(
             own_groups=optimizer.param_groups,
             strict=strict,
         )
-        if not strict:
-            warn_unlisted(backend, optimizer, state, named, skipped)
+        if not strict:  # what the saved state holds nothing for (not what the fit left out)
+            warn_unlisted(backend, optimizer, states[key], named, skipped)
         try:
             backend.load_optim_state(optimizer, state, full=True, strict=strict)
         except (CommError, torch.OutOfMemoryError):  # not about this state

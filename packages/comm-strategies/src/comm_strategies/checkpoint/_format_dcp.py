@@ -68,8 +68,10 @@ class DcpFormat:
         state = sharded_state(backend, request.optimizers)
         shapes = describe_params(state["model"])  # the global shapes of the shards
         skipped = check_against(shapes, manifest.params, str(source), request.strict)
-        if skipped:
+        if skipped:  # their saved weights and optimizer states are not read (other shapes)
             state["model"] = {k: v for k, v in state["model"].items() if k not in skipped}
+            for optim in state.get("optim", {}).values():
+                optim["state"] = {k: v for k, v in optim["state"].items() if k not in skipped}
         folder = source / DCP_FOLDER
         reader = _Reader(folder)  # reads the metadata once, for the checks here and DCP
         if request.optimizers:
@@ -92,12 +94,12 @@ class DcpFormat:
             alone = len(optimizer.param_groups) == 1 == len(optim_state.get("param_groups", ()))
             groups = None if alone else backend.optimizer_groups(optimizer)
             named = optimizer_source(str(source), key, request.optimizers)
+            if not request.strict:
+                warn_unlisted(backend, optimizer, optim_state, named, skipped)
             if groups is not None:  # the saved groups' names, read back: each in its group
                 optim_state = fit_optimizer_groups(
                     optim_state, groups, optimizer.param_groups, named, request.strict
                 )
-            if not request.strict:
-                warn_unlisted(backend, optimizer, optim_state, named, skipped)
             fitted[key] = (optimizer, optim_state)
         # the model, then each optimizer (one torch call for a model and one optimizer)
         backend.load_sharded_state(state["model"], fitted, strict=request.strict)
@@ -111,10 +113,10 @@ def _check_group_count(optimizers: Optimizers, saved: set[str], source: str) -> 
         count = len({k[len(prefix) :].split(".", 1)[0] for k in saved if k.startswith(prefix)})
         if count and count != len(optimizer.param_groups):
             message = (
-                f"{source} ({key}) does not fit this optimizer on rank {dist.get_rank()}: the "
-                f"saved optimizer has {count} parameter group(s), this optimizer "
-                f"{len(optimizer.param_groups)}. Build the optimizer with the same param "
-                "groups as the run that saved, or pass load_optimizer=False to load the "
+                f"{optimizer_source(source, key, optimizers)} does not fit this optimizer on rank "
+                f"{dist.get_rank()}: the saved optimizer has {count} parameter group(s), this "
+                f"optimizer {len(optimizer.param_groups)}. Build the optimizer with the same "
+                "param groups as the run that saved, or pass load_optimizer=False to load the "
                 "weights only."
             )
             raise CheckpointError(message)

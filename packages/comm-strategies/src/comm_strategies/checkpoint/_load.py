@@ -26,7 +26,7 @@ from .._build import scalers_of, torch_optimizers
 from . import _deepspeed_records as ds_files
 from . import _publish
 from ._consensus import Call
-from ._errors import CheckpointError
+from ._errors import CheckpointError, outside_package
 from ._files import read_rng_file, restore_rng
 from ._format_common import LoadRequest, load_full_model
 from ._formats import FORMATS, load_native_folder
@@ -242,7 +242,7 @@ def _read_rng(source: Path, manifest: Manifest, unsafe: bool) -> dict[str, Any] 
         warnings.warn(
             f"{source} was saved by {manifest.world_size} rank(s): rank {me} has no RNG "
             "state there and keeps its own",
-            stacklevel=4,
+            stacklevel=outside_package(),
         )
         return None
     return read_rng_file(source, me, allow_unsafe_pickle=unsafe)

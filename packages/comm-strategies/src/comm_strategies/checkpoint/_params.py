@@ -61,7 +61,7 @@ def check_against(
         raise CheckpointError(message)
     warnings.warn(
         f"strict=False: {source} loaded without these entries ({'; '.join(problems)})",
-        stacklevel=4,
+        stacklevel=outside_package(),
     )
     return missing + unexpected + reshaped
 
@@ -199,7 +199,7 @@ def fit_optimizer_groups(
     warnings.warn(
         f"strict=False: {source} loaded without the optimizer state of "
         f"{_some(skipped) if skipped else 'no parameter'} ({'; '.join(problems)}){kept_note}",
-        stacklevel=4,
+        stacklevel=outside_package(),
     )
     entries = state.get("state", {})
     return {

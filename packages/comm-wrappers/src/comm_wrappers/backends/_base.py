@@ -295,7 +295,7 @@ class Backend:
         # was saved: it gets no state here either (torch's strict load would refuse it).
         # Only torch's check is relaxed: a parameter the saved groups do not list at all
         # is still refused.
-        strict = self._optim_strict(optimizer, state, strict=strict)
+        strict, state = self._optim_strict(optimizer, state, strict=strict)
         options = dsd.StateDictOptions(full_state_dict=full, strict=strict)
         with quiet_torch():
             dsd.set_optimizer_state_dict(self._target(), optimizer, dict(state), options=options)
@@ -361,7 +361,8 @@ class Backend:
             reason = self.optimizer_not_portable()
             if reason is not None:
                 raise ValueError(reason)
-            if self._optim_strict(optimizer, state, strict=strict) == strict:
+            torch_strict, state = self._optim_strict(optimizer, state, strict=strict)
+            if torch_strict == strict:
                 options = dsd.StateDictOptions(strict=strict)
                 with quiet_torch():
                     dsd.set_state_dict(
@@ -386,13 +387,16 @@ class Backend:
 
     def _optim_strict(
         self, optimizer: Optimizer, state: Mapping[str, Any], *, strict: bool
-    ) -> bool:
-        """The ``strict`` of torch's optimizer load: off when the saved groups list
-        parameters without a state (their owner had no gradient yet). A strict load first
-        checks that no trainable parameter is missing from both the entries and the groups
-        (torch's own check would refuse it only after filling the optimizer's state)."""
+    ) -> tuple[bool, Mapping[str, Any]]:
+        """The ``strict`` of torch's optimizer load and the state to give it. torch's check
+        is off when the saved groups list parameters without a state (their owner had no
+        gradient yet). A strict load first checks that no trainable parameter is missing
+        from both the entries and the groups (torch's own check would refuse it only after
+        filling the optimizer's state); a ``strict=False`` one lists the missing ones in
+        their groups, so that torch loads them without a state as well (a tied one would
+        leave its group a parameter short)."""
         if not strict:
-            return False
+            return False, self._listed(optimizer, state)
         missing = self.unlisted_params(optimizer, state)
         if missing:
             message = (
@@ -402,7 +406,21 @@ class Backend:
                 "the entries that fit and leave these parameters without optimizer state"
             )
             raise ValueError(message)
-        return not _stateless_names(state)
+        return not _stateless_names(state), state
+
+    def _listed(self, optimizer: Optimizer, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state`` with each of its `unlisted_params` in the saved group matching its
+        group in ``optimizer`` (as it is when the groups cannot be matched)."""
+        missing = self.unlisted_params(optimizer, state)
+        groups = self.optimizer_groups(optimizer) if missing else None
+        saved = state.get("param_groups")
+        if groups is None or not isinstance(saved, list) or len(saved) != len(groups):
+            return state
+        listed = [{**group, "params": list(group.get("params", []))} for group in saved]
+        for name in missing:
+            index = next(i for i, names in enumerate(groups) if name in names)
+            listed[index]["params"].append(name)
+        return {**state, "param_groups": listed}
 
     def optimizer_groups(self, optimizer: Optimizer) -> list[list[str]] | None:
         """Each of ``optimizer``'s param groups as the names of its parameters.
@@ -428,8 +446,8 @@ class Backend:
     def unlisted_params(self, optimizer: Optimizer, state: Mapping[str, Any]) -> list[str]:
         """The trainable parameters of ``optimizer`` in neither the optimizer ``state``'s
         entries nor its groups (by torch's names for them: the user module's, whatever the
-        wrapper): a strict load refuses them, a ``strict=False`` one leaves them their own
-        state."""
+        wrapper): a strict load refuses them, a ``strict=False`` one leaves them without
+        optimizer state."""
         from torch.distributed.checkpoint.state_dict import _get_fqns
 
         listed = set(state.get("state", {})) | {
