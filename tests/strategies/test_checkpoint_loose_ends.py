@@ -198,6 +198,20 @@ def test_load_full_optim_state_dict_missing_a_parameter_is_a_checkpoint_error() 
     assert resumed.param_groups[0]["lr"] == 0.1
 
 
+def _strict_then_loose(
+    path: Path, target: torch.nn.Module, resumed: torch.optim.Optimizer
+) -> tuple[str, list[warnings.WarningMessage]]:
+    """A strict load's refusal (the fresh optimizer left without state), then the warnings
+    of a strict=False load."""
+    with pytest.raises(CheckpointError) as refused:
+        ck.load_checkpoint(path, model=target, optim_wrapper=resumed)
+    assert not resumed.state
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.load_checkpoint(path, model=target, optim_wrapper=resumed, strict=False)
+    return str(refused.value), caught
+
+
 def test_strict_false_loads_an_optimizer_that_trained_fewer_parameters(
     tmp_path: Path, sharded: bool
 ) -> None:
@@ -215,14 +229,9 @@ def test_strict_false_loads_an_optimizer_that_trained_fewer_parameters(
     )
     target = two_layers()
     resumed = torch.optim.AdamW(target.parameters(), lr=0.5)
-    with pytest.raises(CheckpointError) as refused:
-        ck.load_checkpoint(path, model=target, optim_wrapper=resumed)
-    assert "no entry for 1.weight, 1.bias (rank 0)" in str(refused.value)
-    assert "Pass strict=False" in str(refused.value)
-    assert not resumed.state
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ck.load_checkpoint(path, model=target, optim_wrapper=resumed, strict=False)
+    refusal, caught = _strict_then_loose(path, target, resumed)
+    assert "no entry for 1.weight, 1.bias (rank 0)" in refusal
+    assert "Pass strict=False" in refusal
     assert [(str(w.message), w.filename) for w in caught] == [
         (
             f"strict=False: {path} holds nothing for 1.weight, 1.bias (rank 0): their "
@@ -278,12 +287,8 @@ def test_strict_false_loads_what_fits_when_the_saved_optimizer_left_a_tied_weigh
     )
     target = _Tied()
     resumed = torch.optim.AdamW(target.parameters(), lr=0.5)
-    with pytest.raises(CheckpointError) as refused:
-        ck.load_checkpoint(path, model=target, optim_wrapper=resumed)
-    assert "no entry for emb.weight (rank 0)" in str(refused.value)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ck.load_checkpoint(path, model=target, optim_wrapper=resumed, strict=False)
+    refusal, caught = _strict_then_loose(path, target, resumed)
+    assert "no entry for emb.weight (rank 0)" in refusal
     assert [str(w.message) for w in caught] == [
         f"strict=False: {path} holds nothing for emb.weight (rank 0): their optimizer state "
         "is not loaded"
