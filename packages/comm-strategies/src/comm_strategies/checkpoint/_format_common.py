@@ -17,7 +17,7 @@ from ._consensus import Call, where
 from ._errors import CheckpointError
 from ._layout import DEFAULT_KEY
 from ._manifest import Manifest
-from ._params import check_against, fit_names, fit_optimizer_state, warn_unlisted
+from ._params import check_against, check_unlisted, fit_names, fit_optimizer_state
 
 Optimizers = Mapping[str, torch.optim.Optimizer]
 
@@ -114,8 +114,7 @@ def load_full_optimizers(
             own_groups=optimizer.param_groups,
             strict=strict,
         )
-        if not strict:  # what the saved state holds nothing for (not what the fit left out)
-            warn_unlisted(backend, optimizer, states[key], named, skipped)
+        check_unlisted(backend, optimizer, states[key], named, skipped, strict)
         try:
             backend.load_optim_state(optimizer, state, full=True, strict=strict)
         except (CommError, torch.OutOfMemoryError):  # not about this state

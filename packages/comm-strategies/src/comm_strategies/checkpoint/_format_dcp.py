@@ -24,7 +24,7 @@ from ._errors import CheckpointError
 from ._format_common import LoadRequest, Optimizers, check_portable, load_full, optimizer_source
 from ._layout import DCP_FOLDER
 from ._manifest import Manifest
-from ._params import check_against, fit_optimizer_groups, warn_unlisted
+from ._params import check_against, check_unlisted, fit_optimizer_groups
 
 
 def sharded_state(backend: Backend, optimizers: Optimizers) -> dict[str, Any]:
@@ -94,8 +94,7 @@ class DcpFormat:
             alone = len(optimizer.param_groups) == 1 == len(optim_state.get("param_groups", ()))
             groups = None if alone else backend.optimizer_groups(optimizer)
             named = optimizer_source(str(source), key, request.optimizers)
-            if not request.strict:
-                warn_unlisted(backend, optimizer, optim_state, named, skipped)
+            check_unlisted(backend, optimizer, optim_state, named, skipped, request.strict)
             if groups is not None:  # the saved groups' names, read back: each in its group
                 optim_state = fit_optimizer_groups(
                     optim_state, groups, optimizer.param_groups, named, request.strict

@@ -179,11 +179,8 @@ def fit_optimizer_groups(
     fitted_groups: list[dict[str, Any]] = []
     kept_own: list[int] = []
     for index, names in enumerate(groups):
-        kept = (
-            [n for n in saved[index].get("params", []) if n not in drop]
-            if index < len(saved)
-            else []
-        )
+        was = saved[index].get("params", []) if index < len(saved) else []
+        kept = [n for n in was if n not in drop]
         if kept or (index < len(saved) and not names):
             fitted_groups.append({**saved[index], "params": kept})
         else:  # nothing of this group was saved in it: it keeps its own hyperparameters
@@ -192,29 +189,31 @@ def fit_optimizer_groups(
                 {**{k: v for k, v in own.items() if k != "params"}, "params": list(names)}
             )
             kept_own.append(index)
-    skipped = sorted(drop)
-    kept_note = (
-        f"; group(s) {kept_own} keep this optimizer's own hyperparameters" if kept_own else ""
-    )
+    skipped = _some(sorted(drop)) if drop else "no parameter"
+    note = f"; group(s) {kept_own} keep this optimizer's own hyperparameters" if kept_own else ""
     warnings.warn(
-        f"strict=False: {source} loaded without the optimizer state of "
-        f"{_some(skipped) if skipped else 'no parameter'} ({'; '.join(problems)}){kept_note}",
+        f"strict=False: {source} loaded without the optimizer state of {skipped} "
+        f"({'; '.join(problems)}){note}",
         stacklevel=outside_package(),
     )
-    entries = state.get("state", {})
-    return {
-        **state,
-        "state": {k: v for k, v in entries.items() if k not in drop},
-        "param_groups": fitted_groups,
-    }
+    entries = {k: v for k, v in state.get("state", {}).items() if k not in drop}
+    return {**state, "state": entries, "param_groups": fitted_groups}
 
 
-def warn_unlisted(
-    backend: Any, optimizer: Any, state: Mapping[str, Any], source: str, skipped: Sequence[str]
+def check_unlisted(
+    backend: Any, optimizer: Any, state: Any, source: str, skipped: Sequence[str], strict: bool
 ) -> None:
-    """``strict=False``: name the parameters ``optimizer`` trains that ``state`` holds nothing
-    for (`Backend.unlisted_params`; the ``skipped`` weights the model's check named)."""
+    """The parameters ``optimizer`` trains that ``state`` (as saved) holds nothing for, less
+    the ``skipped`` weights: refused under ``strict`` (before torch's load), else named."""
     missing = [name for name in backend.unlisted_params(optimizer, state) if name not in skipped]
+    if missing and strict:
+        message = (
+            f"{source} does not fit this optimizer on rank {get_rank()}: it holds no state for "
+            f"{_some(missing)}, parameters this optimizer trains (is it another optimizer's "
+            "state?). Pass strict=False to load the entries that fit and leave these "
+            "parameters without optimizer state."
+        )
+        raise CheckpointError(message)
     if missing:
         message = (
             f"strict=False: {source} holds nothing for {_some(missing)} (rank {get_rank()}): "
