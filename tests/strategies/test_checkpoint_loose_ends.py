@@ -481,7 +481,8 @@ def test_a_plain_file_that_wraps_itself(tmp_path: Path) -> None:
     torch.save(looped, path)
     expected = (
         f"{path}['state_dict']['state_dict'] holds no state dict: expected {{name: tensor}}, "
-        "or one under 'state_dict' or 'module', got a dict with keys ['epoch', 'state_dict']"
+        "or one under 'state_dict' or 'module' (two levels deep at most), got a dict with keys "
+        "['epoch', 'state_dict']"
     )
     assert _refusal(path) == expected
     with pytest.raises(CheckpointError) as caught:

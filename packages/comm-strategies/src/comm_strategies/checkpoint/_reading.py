@@ -151,11 +151,13 @@ def read_state_dict_file(
         isinstance(v, torch.Tensor) for v in found.values()
     ):
         got = (
-            f"a dict with keys {sorted(map(str, found))[:8]}" if isinstance(found, Mapping) else ""
+            f"a dict with keys {sorted(map(str, found))[:8]}"
+            if isinstance(found, Mapping)
+            else f"a {type(found).__name__}"
         )
         message = (
             f"{path}{where} holds no state dict: expected {{name: tensor}}, or one under "
-            f"'state_dict' or 'module', got {got or f'a {type(found).__name__}'}"
+            f"'state_dict' or 'module' (two levels deep at most), got {got}"
         )
         raise CheckpointError(message)
     state = {
