@@ -167,6 +167,16 @@ def contract(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     model = _model(kind, options)
     backend = backend_of(model)
     optimizer = make_optimizer(model.parameters(), "adamw")
+    # Not stepped yet: the getters leave it so and give no entry (torch's give it zero
+    # states at step 1); the state a load reads into has them.
+    states = [
+        backend.optim_state(optimizer, full=True),
+        *backend.sharded_state({"o": optimizer})[1].values(),
+    ]
+    out["unstepped"] = [(len(state["state"]), len(optimizer.state)) for state in states]
+    target = backend.sharded_state({"o": optimizer}, to_load=True)[1]["o"]["state"]
+    out["to_load"] = (len(target), sorted({float(state["step"]) for state in target.values()}))
+    optimizer.state.clear()
     _loss(model, own[0]).backward()
     grads = _full_grads(model)
     out["synced"] = max_diff(grads, _oracle_grads(first))
@@ -280,6 +290,8 @@ def test_every_backend_passes_the_contract(comm_run_distributed: Any, case: str)
         assert r["rank0_optim"] == (r["exp_avg"] if rank == 0 else {})
         assert r["optim_round_trip"] < EXACT
         assert r["optim_steps"] == [1.0]
+        assert r["unstepped"] == [(0, 0), (0, 0)]
+        assert r["to_load"] == (6, [1.0])
         assert r["not_portable"] is None
     if expected_kind == "module":  # nothing synchronised: each rank trained on its own data
         assert results[0]["norm"] != pytest.approx(results[1]["norm"])

@@ -27,10 +27,10 @@ from ._manifest import Manifest
 from ._params import check_against, check_unlisted, fit_optimizer_groups
 
 
-def sharded_state(backend: Backend, optimizers: Optimizers) -> dict[str, Any]:
+def sharded_state(backend: Backend, optimizers: Optimizers, load: bool = False) -> dict[str, Any]:
     """``{"model": ..., "optim": {key: ...}}`` as DCP saves and loads it: every rank's own
     shards ("optim" only when there are optimizers)."""
-    model_state, optim_states = backend.sharded_state(optimizers)
+    model_state, optim_states = backend.sharded_state(optimizers, to_load=load)
     state: dict[str, Any] = {"model": model_state}
     if optimizers:
         state["optim"] = optim_states
@@ -65,7 +65,7 @@ class DcpFormat:
             state = read_dcp_full(source)
             load_full(backend, state["model"], state.get("optim", {}), request, str(source))
             return
-        state = sharded_state(backend, request.optimizers)
+        state = sharded_state(backend, request.optimizers, load=True)
         shapes = describe_params(state["model"])  # the global shapes of the shards
         skipped = check_against(shapes, manifest.params, str(source), request.strict)
         if skipped:  # their saved weights and optimizer states are not read (other shapes)

@@ -15,7 +15,7 @@ by those names, whatever the wrapper.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -245,14 +245,20 @@ class Backend:
             dsd.set_model_state_dict(self._target(), dict(state), options=options)
 
     def optim_state(
-        self, optimizer: Optimizer, *, full: bool, rank0_only: bool = False
+        self, optimizer: Optimizer, *, full: bool, rank0_only: bool = False, to_load: bool = False
     ) -> dict[str, Any]:
         """One optimizer's state keyed by parameter names: full (CPU tensors) or sharded.
+
+        An optimizer that has not stepped yet is left as it is, and its state has no
+        entry (torch's getters give it zero states at step 1, by a step at lr 0: a save
+        would change the run that took it), unless ``to_load``.
 
         Args:
             optimizer: A torch optimizer over this model's parameters.
             full: Full CPU tensors; else each rank's own shards.
             rank0_only: With ``full``, only rank 0 gets the state; the others ``{}``.
+            to_load: The state a load reads into in place (torch distributed
+                checkpoint): an optimizer without state gets torch's zero states.
 
         Raises:
             ValueError: The state has no per-parameter form (see `optimizer_not_portable`).
@@ -261,14 +267,14 @@ class Backend:
         if reason is not None:
             raise ValueError(reason)
         target = self._target()
-        with quiet_torch():
+        with quiet_torch(), _left_unstepped([optimizer], to_load) as unstepped:
             if not full:
-                return dict(dsd.get_optimizer_state_dict(target, optimizer))
+                return unstepped(optimizer, dsd.get_optimizer_state_dict(target, optimizer))
             if rank0_only and not self._shards and get_rank() != 0:
                 return {}
             options = self._full_options(rank0_only)
             state = to_cpu(dsd.get_optimizer_state_dict(target, optimizer, options=options))
-        return {} if rank0_only and get_rank() != 0 else dict(state)
+        return {} if rank0_only and get_rank() != 0 else unstepped(optimizer, state)
 
     def load_optim_state(
         self, optimizer: Optimizer, state: Mapping[str, Any], *, full: bool, strict: bool = True
@@ -301,7 +307,7 @@ class Backend:
             dsd.set_optimizer_state_dict(self._target(), optimizer, dict(state), options=options)
 
     def sharded_state(
-        self, optimizers: Mapping[str, Optimizer]
+        self, optimizers: Mapping[str, Optimizer], *, to_load: bool = False
     ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """The model's and each optimizer's own shards (collective under sharding).
 
@@ -312,6 +318,7 @@ class Backend:
 
         Args:
             optimizers: By a key of the caller's (an optimizer wrapper's names).
+            to_load: The state a load reads into (see `optim_state`).
 
         Returns:
             ``(model_state, {key: optimizer_state})``.
@@ -324,12 +331,13 @@ class Backend:
             if reason is not None:
                 raise ValueError(reason)
             ((key, optimizer),) = optimizers.items()
-            with quiet_torch():
+            with quiet_torch(), _left_unstepped([optimizer], to_load) as unstepped:
                 model_state, optim_state = dsd.get_state_dict(self._target(), optimizer)
-            return dict(model_state), {key: dict(optim_state)}
+                return dict(model_state), {key: unstepped(optimizer, optim_state)}
         model_state = self.model_state(full=False)
         states = {
-            key: self.optim_state(optimizer, full=False) for key, optimizer in optimizers.items()
+            key: self.optim_state(optimizer, full=False, to_load=to_load)
+            for key, optimizer in optimizers.items()
         }
         return model_state, states
 
@@ -466,6 +474,27 @@ class Backend:
     def optimizer_not_portable(self) -> str | None:
         """None, or why the optimizer state has no per-parameter full form (DeepSpeed)."""
         return None
+
+
+@contextlib.contextmanager
+def _left_unstepped(
+    optimizers: Iterable[Optimizer], to_load: bool
+) -> Iterator[Callable[[Optimizer, Mapping[str, Any]], dict[str, Any]]]:
+    """Around torch's state getters, which give an optimizer without state zero states
+    at step 1 (a step at lr 0: the buffers a load reads into): unless ``to_load``, each
+    such optimizer is left without state again on exit, and the function yielded gives
+    its state without entries (what it holds)."""
+    unstepped = set() if to_load else {id(o) for o in optimizers if not o.state}
+
+    def taken(optimizer: Optimizer, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {**state, "state": {}} if id(optimizer) in unstepped else dict(state)
+
+    try:
+        yield taken
+    finally:
+        for optimizer in optimizers:
+            if id(optimizer) in unstepped:
+                optimizer.state.clear()
 
 
 def _stateless_names(state: Mapping[str, Any]) -> list[str]:

@@ -264,7 +264,7 @@ class DeepSpeedBackend(Backend):
             raise ValueError(message)
 
     def optim_state(
-        self, optimizer: Optimizer, *, full: bool, rank0_only: bool = False
+        self, optimizer: Optimizer, *, full: bool, rank0_only: bool = False, to_load: bool = False
     ) -> dict[str, Any]:
         """The engine's optimizer state, full and keyed by parameter names (collective).
 
@@ -279,7 +279,7 @@ class DeepSpeedBackend(Backend):
         """
         groups = self._flat_groups()
         if groups is None:
-            return super().optim_state(optimizer, full=full, rank0_only=rank0_only)
+            return super().optim_state(optimizer, full=full, rank0_only=rank0_only, to_load=to_load)
         _require_full(full, "optim_state")
         self._check_optimizer(optimizer)
         from deepspeed.utils import safe_get_full_optimizer_state
