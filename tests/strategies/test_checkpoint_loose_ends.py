@@ -527,3 +527,43 @@ def test_binary_data_that_decodes_as_utf8_is_not_text(tmp_path: Path) -> None:
     message = _refusal(path)
     assert "binary data of another format (it starts with b'\\x08\\x00" in message
     assert "text file" not in message
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_dcp_checkpoint_without_optimizer_state_converts_and_resumes(
+    tmp_path: Path, name: str
+) -> None:
+    """A `dcp` checkpoint of an optimizer without state (saved before the first step; plain
+    SGD never has one): DCP keeps no empty dict, and its full form, read back without
+    ``"state"``, failed in torch's load (KeyError 'param_groups.0.weight.lr'). Converted to
+    `full` and resumed, it trains as the run that never saved."""
+
+    def make(model: torch.nn.Module) -> torch.optim.Optimizer:
+        if name == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.1)
+        return torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    reference = two_layers()
+    reference_optimizer = make(reference)
+    for seed in range(3):
+        one_step(reference, reference_optimizer, seed)
+    model = two_layers()
+    optimizer = make(model)
+    if name == "sgd":  # stateless however long it trains
+        one_step(model, optimizer, 0)
+    ck.save_checkpoint(
+        tmp_path / "dcp", model=model, strategy="single", optim_wrapper=optimizer, sharded=True
+    )
+    assert not optimizer.state
+    ck.convert_checkpoint(tmp_path / "dcp", tmp_path / "full", to="full")
+    state = torch.load(tmp_path / "full" / "optim.pt", weights_only=True)
+    assert state["default"]["state"] == {}
+    resumed = two_layers()
+    torch.nn.init.zeros_(resumed[0].weight)
+    resumed_optimizer = make(resumed)
+    ck.load_checkpoint(tmp_path / "full", model=resumed, optim_wrapper=resumed_optimizer)
+    assert not resumed_optimizer.state
+    for seed in range(1 if name == "sgd" else 0, 3):
+        one_step(resumed, resumed_optimizer, seed)
+    for mine, theirs in zip(resumed.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine, theirs)

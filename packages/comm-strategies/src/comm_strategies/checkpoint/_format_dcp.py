@@ -31,10 +31,7 @@ def sharded_state(backend: Backend, optimizers: Optimizers, load: bool = False) 
     """``{"model": ..., "optim": {key: ...}}`` as DCP saves and loads it: every rank's own
     shards ("optim" only when there are optimizers)."""
     model_state, optim_states = backend.sharded_state(optimizers, to_load=load)
-    state: dict[str, Any] = {"model": model_state}
-    if optimizers:
-        state["optim"] = optim_states
-    return state
+    return {"model": model_state, "optim": optim_states} if optimizers else {"model": model_state}
 
 
 class DcpFormat:
@@ -197,4 +194,6 @@ def read_dcp_full(source: Path) -> dict[str, Any]:
     except (Exception, CheckpointException) as caught:  # the latter: a BaseException
         message = f"torch distributed checkpoint could not read {folder}: {caught}"
         raise CheckpointError(message) from caught
+    for optim in state.get("optim", {}).values():  # DCP dropped an empty one (no step yet)
+        optim.setdefault("state", {})
     return state
