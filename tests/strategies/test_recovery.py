@@ -253,7 +253,11 @@ def _example(work: Path, *, kill_after: str | None) -> str:
     )
     try:
         if kill_after is not None:
-            _wait(lambda: (work / kill_after).exists(), 120, kill_after)
+            # that checkpoint or a later one: keep_last=2 removes it 20 steps on, a window
+            # a poll can miss on a busy machine
+            least = int(kill_after.removeprefix("step_"))
+            saved = lambda: [p for p in work.glob("step_*") if p.name[5:].isdigit()]  # noqa: E731
+            _wait(lambda: any(int(p.name[5:]) >= least for p in saved()), 120, kill_after)
             workers = [pid for pid in _descendants(proc.pid) if _is_worker(pid)]
             assert workers, "no worker process found"
             os.kill(workers[-1], signal.SIGKILL)
