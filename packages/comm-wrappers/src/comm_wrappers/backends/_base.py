@@ -15,7 +15,7 @@ by those names, whatever the wrapper.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -29,7 +29,14 @@ from comm_collectives import get_rank
 from .._registry import is_model_wrapper, module_device, unwrap_model
 from ._device import rank_device
 from ._native import NativeCheckpoint
-from ._state import describe_params, has_tensor_state, quiet_torch, to_cpu
+from ._state import (
+    describe_params,
+    has_tensor_state,
+    left_unstepped,
+    quiet_torch,
+    stateless_names,
+    to_cpu,
+)
 
 __all__ = ["Backend", "new_grad_scaler"]
 
@@ -267,7 +274,7 @@ class Backend:
         if reason is not None:
             raise ValueError(reason)
         target = self._target()
-        with quiet_torch(), _left_unstepped([optimizer], to_load) as unstepped:
+        with quiet_torch(), left_unstepped([optimizer], to_load) as unstepped:
             if not full:
                 return unstepped(optimizer, dsd.get_optimizer_state_dict(target, optimizer))
             if rank0_only and not self._shards and get_rank() != 0:
@@ -331,7 +338,7 @@ class Backend:
             if reason is not None:
                 raise ValueError(reason)
             ((key, optimizer),) = optimizers.items()
-            with quiet_torch(), _left_unstepped([optimizer], to_load) as unstepped:
+            with quiet_torch(), left_unstepped([optimizer], to_load) as unstepped:
                 model_state, optim_state = dsd.get_state_dict(self._target(), optimizer)
                 return dict(model_state), {key: unstepped(optimizer, optim_state)}
         model_state = self.model_state(full=False)
@@ -414,7 +421,7 @@ class Backend:
                 "the entries that fit and leave these parameters without optimizer state"
             )
             raise ValueError(message)
-        return not _stateless_names(state), state
+        return not stateless_names(state), state
 
     def _listed(self, optimizer: Optimizer, state: Mapping[str, Any]) -> Mapping[str, Any]:
         """``state`` with each of its `unlisted_params` in the saved group matching its
@@ -474,43 +481,6 @@ class Backend:
     def optimizer_not_portable(self) -> str | None:
         """None, or why the optimizer state has no per-parameter full form (DeepSpeed)."""
         return None
-
-
-@contextlib.contextmanager
-def _left_unstepped(
-    optimizers: Iterable[Optimizer], to_load: bool
-) -> Iterator[Callable[[Optimizer, Mapping[str, Any]], dict[str, Any]]]:
-    """Around torch's state getters, which give an optimizer without state zero states
-    at step 1 (a step at lr 0: the buffers a load reads into): unless ``to_load``, each
-    such optimizer is left without state again on exit, and the function yielded gives
-    its state without entries (what it holds)."""
-    unstepped = set() if to_load else {id(o) for o in optimizers if not o.state}
-
-    def taken(optimizer: Optimizer, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {**state, "state": {}} if id(optimizer) in unstepped else dict(state)
-
-    try:
-        yield taken
-    finally:
-        for optimizer in optimizers:
-            if id(optimizer) in unstepped:
-                optimizer.state.clear()
-
-
-def _stateless_names(state: Mapping[str, Any]) -> list[str]:
-    """The parameters an optimizer state's groups list but that have no state entry: the
-    saver's optimizer held them without a state (no gradient had reached them)."""
-    entries = state.get("state", {})
-    groups = state.get("param_groups", [])
-    if not isinstance(entries, Mapping) or not isinstance(groups, list):
-        return []
-    return [
-        name
-        for group in groups
-        if isinstance(group, Mapping)
-        for name in group.get("params", [])
-        if isinstance(name, str) and name not in entries
-    ]
 
 
 def new_grad_scaler(device_type: str, *, sharded: bool, **kwargs: Any) -> torch.amp.GradScaler:

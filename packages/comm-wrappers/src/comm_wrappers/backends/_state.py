@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
 __all__ = ["describe_params", "has_tensor_state", "quiet_torch", "to_cpu"]
 
@@ -71,3 +72,40 @@ def has_tensor_state(state: Mapping[str, Any]) -> bool:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 return True
     return False
+
+
+@contextlib.contextmanager
+def left_unstepped(
+    optimizers: Iterable[Optimizer], to_load: bool
+) -> Iterator[Callable[[Optimizer, Mapping[str, Any]], dict[str, Any]]]:
+    """Around torch's state getters, which give an optimizer without state zero states
+    at step 1 (a step at lr 0: the buffers a load reads into): unless ``to_load``, each
+    such optimizer is left without state again on exit, and the function yielded gives
+    its state without entries (what it holds)."""
+    unstepped = set() if to_load else {id(o) for o in optimizers if not o.state}
+
+    def taken(optimizer: Optimizer, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {**state, "state": {}} if id(optimizer) in unstepped else dict(state)
+
+    try:
+        yield taken
+    finally:
+        for optimizer in optimizers:
+            if id(optimizer) in unstepped:
+                optimizer.state.clear()
+
+
+def stateless_names(state: Mapping[str, Any]) -> list[str]:
+    """The parameters an optimizer state's groups list but that have no state entry: the
+    saver's optimizer held them without a state (no gradient had reached them)."""
+    entries = state.get("state", {})
+    groups = state.get("param_groups", [])
+    if not isinstance(entries, Mapping) or not isinstance(groups, list):
+        return []
+    return [
+        name
+        for group in groups
+        if isinstance(group, Mapping)
+        for name in group.get("params", [])
+        if isinstance(name, str) and name not in entries
+    ]
